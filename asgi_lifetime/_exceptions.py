@@ -1,0 +1,155 @@
+"""The package's one exception hierarchy.
+
+Every error that can reach a client knows its HTTP status and renders an
+OpenAI-style JSON body ``{"error": {"type", "code", "message"}}``::
+
+    LifetimeError                      500 server_error
+    ├── RequestError                   4xx, the client's request is at fault
+    │   ├── BodyAborted                499 client closed before the body completed
+    │   ├── BodyTooLarge               413
+    │   ├── BodyIdleTimeout            408
+    │   ├── MalformedBody              400 bad content-encoding, bad JSON, bad framing
+    │   └── AuthenticationError        401
+    ├── AdmissionRejected              503 with Retry-After
+    └── UpstreamError                  502, the upstream is at fault
+        ├── UpstreamUnreachable        502
+        ├── UpstreamTimeout            504
+        ├── UpstreamStalled            504 no bytes for STALL_TIMEOUT
+        └── StarvationError            502 the upstream produced no output
+
+``BodyAborted`` is never delivered (the client is gone); it is logged and counted.
+Messages never contain request bodies or keys.
+"""
+
+from __future__ import annotations
+
+import json
+
+__all__ = [
+    "AdmissionRejected",
+    "AuthenticationError",
+    "BodyAborted",
+    "BodyIdleTimeout",
+    "BodyTooLarge",
+    "LifetimeError",
+    "MalformedBody",
+    "RequestError",
+    "StarvationError",
+    "UpstreamError",
+    "UpstreamStalled",
+    "UpstreamTimeout",
+    "UpstreamUnreachable",
+]
+
+
+class LifetimeError(Exception):
+    """Base class of every error raised by asgi_lifetime."""
+
+    status_code: int = 500
+    error_type: str = "server_error"
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Extra response headers this error asks for (e.g. ``Retry-After``)."""
+        return {}
+
+    def to_dict(self) -> dict[str, dict[str, str]]:
+        return {"error": {"type": self.error_type, "code": self.code, "message": self.message}}
+
+    def json_body(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+
+class RequestError(LifetimeError):
+    """The client's request cannot be served as sent."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class BodyAborted(RequestError):
+    """The client disconnected before the request body was complete."""
+
+    status_code = 499  # nginx's "client closed request"; never actually delivered
+    code = "request_aborted"
+
+    def __init__(self, message: str = "request aborted before body completed", *, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+
+
+class BodyTooLarge(RequestError):
+    status_code = 413
+    code = "request_too_large"
+
+    def __init__(self, limit: int, *, code: str | None = None) -> None:
+        super().__init__(f"request body exceeds the limit of {limit} bytes", code=code)
+        self.limit = limit
+
+
+class BodyIdleTimeout(RequestError):
+    status_code = 408
+    code = "request_timeout"
+
+    def __init__(self, timeout: float, *, code: str | None = None) -> None:
+        super().__init__(f"no request body data received for {timeout:g} seconds", code=code)
+        self.timeout = timeout
+
+
+class MalformedBody(RequestError):
+    status_code = 400
+    code = "malformed_body"
+
+
+class AuthenticationError(RequestError):
+    status_code = 401
+    code = "invalid_api_key"
+
+
+class AdmissionRejected(LifetimeError):
+    """The gateway is at capacity (or shutting down) and could not admit the request in time."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = max(1, int(retry_after))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(self.retry_after)}
+
+
+class UpstreamError(LifetimeError):
+    status_code = 502
+    error_type = "upstream_error"
+    code = "bad_gateway"
+
+
+class UpstreamUnreachable(UpstreamError):
+    code = "upstream_unreachable"
+
+
+class UpstreamTimeout(UpstreamError):
+    status_code = 504
+    code = "upstream_timeout"
+
+
+class UpstreamStalled(UpstreamError):
+    status_code = 504
+    code = "upstream_stalled"
+
+
+class StarvationError(UpstreamError):
+    """The upstream ended without producing any output (or without a terminal event)."""
+
+    code = "upstream_starved"

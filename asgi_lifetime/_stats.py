@@ -1,0 +1,82 @@
+"""Live counters and their immutable snapshot.
+
+One ``Counters`` object belongs to one running middleware/gateway. Gauges go up when
+something is acquired and down when it is released; tests, ``/lifetime/stats`` and the
+metrics endpoint read a ``LifetimeStats`` snapshot. Between requests every gauge is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["Counters", "LifetimeStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class LifetimeStats:
+    """A point-in-time snapshot of the live counters."""
+
+    # Gauges: what is held right now.
+    inflight_requests: int = 0
+    inflight_bytes: int = 0
+    retained_input_bytes: int = 0
+    live_resources: int = 0
+    pinned_sessions: int = 0
+    # Totals since start.
+    admitted: int = 0
+    rejected: int = 0
+    aborted: int = 0
+    too_large: int = 0
+    timed_out: int = 0
+    completed: int = 0
+    retried: int = 0
+    refolded: int = 0
+    starved: int = 0
+    stalled: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is held: no request, bytes, retained input, resource or pin."""
+        return not (
+            self.inflight_requests
+            or self.inflight_bytes
+            or self.retained_input_bytes
+            or self.live_resources
+            or self.pinned_sessions
+        )
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(LifetimeStats))
+
+
+class Counters:
+    """Mutable counters. Only touched from the event loop thread, so plain ints suffice."""
+
+    __slots__ = _FIELDS
+
+    inflight_requests: int
+    inflight_bytes: int
+    retained_input_bytes: int
+    live_resources: int
+    pinned_sessions: int
+    admitted: int
+    rejected: int
+    aborted: int
+    too_large: int
+    timed_out: int
+    completed: int
+    retried: int
+    refolded: int
+    starved: int
+    stalled: int
+
+    def __init__(self) -> None:
+        for name in _FIELDS:
+            setattr(self, name, 0)
+
+    def snapshot(self) -> LifetimeStats:
+        return LifetimeStats(**{name: getattr(self, name) for name in _FIELDS})
