@@ -1,0 +1,463 @@
+from __future__ import annotations
+
+import gzip
+import tracemalloc
+import weakref
+import zlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import pytest
+from blake3 import blake3
+from starlette.types import Message
+
+from asgi_lifetime._body import parse_content_length, read_body
+from asgi_lifetime._exceptions import BodyAborted, BodyIdleTimeout, BodyTooLarge, MalformedBody
+
+MiB = 1024 * 1024
+
+
+class Chunk(bytearray):
+    """A body chunk that a weakref can follow (``bytes`` instances cannot be weakly referenced)."""
+
+
+class Receive:
+    """A raw ASGI receive: hands out messages in order and keeps none it has delivered.
+
+    Each ``bytes`` part becomes an ``http.request`` message; every message body (also in messages
+    given as dicts) is a fresh ``Chunk`` and ``refs`` holds a weakref to each, so a test can prove
+    nobody kept one. After the last message it blocks forever (``then="block"``) or fails the test.
+    """
+
+    def __init__(
+        self, parts: Sequence[bytes | Message], *, end: bool = True, then: str = "fail", delay: float = 0.0
+    ) -> None:
+        self.messages: deque[Message] = deque()
+        self.refs: list[weakref.ref[Chunk]] = []
+        for index, part in enumerate(parts):
+            if isinstance(part, dict):
+                message = dict(part)
+            else:
+                last = end and index == len(parts) - 1
+                message = {"type": "http.request", "body": part, "more_body": not last}
+            if "body" in message:
+                message["body"] = chunk = Chunk(message["body"])
+                self.refs.append(weakref.ref(chunk))
+            self.messages.append(message)
+        self.then = then
+        self.delay = delay
+        self.calls = 0
+        self.blocked = anyio.Event()
+
+    async def __call__(self) -> Message:
+        self.calls += 1
+        if self.delay:
+            await anyio.sleep(self.delay)
+        if self.messages:
+            return self.messages.popleft()
+        if self.then == "block":
+            self.blocked.set()
+            await anyio.sleep_forever()
+        raise AssertionError("receive() called after the last message")
+
+    def assert_released(self) -> None:
+        """Drop the chunks never delivered, then every chunk must be gone: nothing else holds one."""
+        self.messages.clear()
+        alive = [index for index, ref in enumerate(self.refs) if ref() is not None]
+        assert alive == [], f"chunks still referenced after settlement: {alive}"
+
+
+def split(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)] or [b""]
+
+
+def deflate(data: bytes, wbits: int) -> bytes:
+    compressor = zlib.compressobj(wbits=wbits)
+    return compressor.compress(data) + compressor.flush()
+
+
+@pytest.fixture(scope="session")
+def bombs() -> dict[str, bytes]:
+    """200 MiB of zeros as gzip and as zlib (about 200 KiB each), built without holding 200 MiB."""
+    zeros = bytes(MiB)
+    result = {}
+    for encoding, wbits in [("gzip", 16 + zlib.MAX_WBITS), ("deflate", zlib.MAX_WBITS)]:
+        compressor = zlib.compressobj(9, zlib.DEFLATED, wbits)
+        result[encoding] = b"".join([*(compressor.compress(zeros) for _ in range(200)), compressor.flush()])
+    return result
+
+
+@contextmanager
+def allocation_peak() -> Iterator[list[int]]:
+    """Trace the block; on exit the yielded list holds the peak bytes allocated inside it (and still live)."""
+    peak: list[int] = []
+    tracemalloc.start()  # only blocks allocated from here on are traced
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+# --- success -------------------------------------------------------------------------------------------------
+
+BODIES = [
+    pytest.param([b"hello"], id="single"),
+    pytest.param([b"a", b"bc", b"def", b"ghij"], id="many"),
+    pytest.param([b"", b"ab", b"", b"", b"cd", b""], id="empty-interleaved"),
+    pytest.param([b""], id="empty-body"),
+    pytest.param(split(bytes(range(256)) * 1000, 4096), id="256k-in-4k"),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("parts", BODIES)
+@pytest.mark.parametrize("with_length", [False, True], ids=["chunked", "content-length"])
+async def test_success(parts: list[bytes], with_length: bool) -> None:
+    expected = b"".join(parts)
+    receive = Receive(parts)
+    with anyio.fail_after(5):
+        body = await read_body(receive, max_bytes=len(expected), expected_length=len(expected) if with_length else None)
+    assert type(body) is bytes
+    assert body == expected
+    assert receive.calls == len(parts)
+    receive.assert_released()
+
+
+@pytest.mark.anyio
+async def test_missing_body_key() -> None:
+    receive = Receive([{"type": "http.request", "more_body": True}, b"ab", {"type": "http.request"}])
+    with anyio.fail_after(5):
+        assert await read_body(receive, max_bytes=10, expected_length=2) == b"ab"
+    with anyio.fail_after(5):
+        assert await read_body(Receive([{"type": "http.request"}]), max_bytes=0) == b""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("with_length", [False, True], ids=["chunked", "content-length"])
+async def test_body_of_exactly_max_bytes(with_length: bool) -> None:
+    receive = Receive([b"x" * 6, b"y" * 4])
+    with anyio.fail_after(5):
+        body = await read_body(receive, max_bytes=10, expected_length=10 if with_length else None)
+    assert body == b"x" * 6 + b"y" * 4
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("with_length", [False, True], ids=["chunked", "content-length"])
+async def test_single_copy_peak(with_length: bool) -> None:
+    """The body exists once: preallocation and getvalue() add no second copy."""
+    size = 16 * MiB
+    receive = Receive(split(b"z" * size, 64 * 1024))
+    with allocation_peak() as peak, anyio.fail_after(5):
+        body = await read_body(receive, max_bytes=size, expected_length=size if with_length else None)
+    assert len(body) == size and body.count(b"z") == size
+    # BytesIO over-allocates by 1/8 while growing without a known length; a copy would be 2x.
+    assert peak[0] < (1.05 if with_length else 1.3) * size, peak[0] / size
+
+
+# --- limits --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("encoding", [None, "gzip"])
+async def test_content_length_over_limit_never_receives(encoding: str | None) -> None:
+    receive = Receive([b"x" * 11])
+    with pytest.raises(BodyTooLarge) as excinfo:
+        await read_body(receive, max_bytes=10, expected_length=11, content_encoding=encoding)
+    assert receive.calls == 0
+    assert excinfo.value.status_code == 413
+    assert excinfo.value.limit == 10
+
+
+@pytest.mark.anyio
+async def test_streaming_over_limit_stops_at_crossing_chunk() -> None:
+    receive = Receive([b"a" * 4, b"b" * 4, b"c" * 4, b"d" * 4])
+    with anyio.fail_after(5), pytest.raises(BodyTooLarge) as excinfo:
+        await read_body(receive, max_bytes=10)
+    assert receive.calls == 3  # the third chunk crossed 10 bytes; nothing was read after it
+    assert excinfo.value.__traceback__ is not None  # kept alive on purpose while checking release
+    receive.assert_released()
+
+
+# --- settlement paths: each must leave no chunk alive, even with the exception and its traceback kept ---------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("before_first", [False, True], ids=["after-a-chunk", "before-any-chunk"])
+async def test_idle_timeout(before_first: bool) -> None:
+    receive = Receive([] if before_first else [b"abc"], end=False, then="block")
+    with anyio.fail_after(5), pytest.raises(BodyIdleTimeout) as excinfo:
+        await read_body(receive, max_bytes=100, idle_timeout=0.05)
+    assert excinfo.value.timeout == 0.05
+    assert excinfo.value.status_code == 408
+    assert receive.blocked.is_set()
+    receive.assert_released()
+
+
+@pytest.mark.anyio
+async def test_idle_timeout_is_per_message_not_total() -> None:
+    parts = [b"ab"] * 8
+    receive = Receive(parts, delay=0.05)  # 0.4 s in total, never 0.25 s without a message
+    with anyio.fail_after(5):
+        assert await read_body(receive, max_bytes=100, idle_timeout=0.25) == b"ab" * 8
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("expected_length", [None, 10])
+async def test_disconnect_before_end(expected_length: int | None) -> None:
+    receive = Receive([b"abc", b"def", {"type": "http.disconnect"}, b"ghij"])
+    with anyio.fail_after(5), pytest.raises(BodyAborted) as excinfo:
+        await read_body(receive, max_bytes=100, expected_length=expected_length)
+    assert str(excinfo.value) == "request aborted before body completed"
+    assert excinfo.value.message == "request aborted before body completed"
+    assert excinfo.value.status_code == 499
+    assert receive.calls == 3
+    receive.assert_released()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("idle_timeout", [None, 10.0])
+@pytest.mark.parametrize("encoding", [None, "gzip"])
+async def test_cancelled_from_outside(idle_timeout: float | None, encoding: str | None) -> None:
+    data = b"abcdef" * 100
+    wire = gzip.compress(data) if encoding else data
+    receive = Receive(split(wire, 100), end=False, then="block")
+    finished: list[bytes] = []
+
+    async def reader() -> None:
+        finished.append(
+            await read_body(receive, max_bytes=10_000, idle_timeout=idle_timeout, content_encoding=encoding)
+        )
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await receive.blocked.wait()
+            tg.cancel_scope.cancel()
+    assert finished == []
+    assert tg.cancel_scope.cancelled_caught
+    receive.assert_released()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("parts", "expected_length", "calls"),
+    [
+        pytest.param([b"abc", b"def", b"g"], 5, 2, id="longer"),
+        pytest.param([b"abc", b"def"], 10, 2, id="shorter"),
+        pytest.param([b""], 3, 1, id="empty-but-announced"),
+    ],
+)
+async def test_length_mismatch(parts: list[bytes], expected_length: int, calls: int) -> None:
+    receive = Receive(parts)
+    with anyio.fail_after(5), pytest.raises(MalformedBody) as excinfo:
+        await read_body(receive, max_bytes=100, expected_length=expected_length)
+    assert excinfo.value.code == "content_length_mismatch"
+    assert excinfo.value.message == "request body length does not match Content-Length"
+    assert excinfo.value.status_code == 400
+    assert receive.calls == calls
+    receive.assert_released()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("delta", [-1, 1])
+async def test_length_mismatch_counts_wire_bytes_when_encoded(delta: int) -> None:
+    wire = gzip.compress(b"hello " * 50)
+    with anyio.fail_after(5), pytest.raises(MalformedBody) as excinfo:
+        await read_body(Receive([wire]), max_bytes=1000, expected_length=len(wire) + delta, content_encoding="gzip")
+    assert excinfo.value.code == "content_length_mismatch"
+    with anyio.fail_after(5):
+        body = await read_body(Receive([wire]), max_bytes=1000, expected_length=len(wire), content_encoding="gzip")
+    assert body == b"hello " * 50
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["websocket.receive", "lifespan.startup", "http.response.body"])
+async def test_unexpected_message_type(kind: str) -> None:
+    receive = Receive([b"abc", {"type": kind, "body": b"x"}, b"def"])
+    with anyio.fail_after(5), pytest.raises(MalformedBody) as excinfo:
+        await read_body(receive, max_bytes=100)
+    assert excinfo.value.code == "unexpected_message"
+    assert kind in excinfo.value.message
+    assert receive.calls == 2
+    receive.assert_released()
+
+
+@pytest.mark.anyio
+async def test_negative_max_bytes_is_a_configuration_error() -> None:
+    with pytest.raises(ValueError, match="max_bytes"):
+        await read_body(Receive([b""]), max_bytes=-1)
+
+
+# --- content-encoding ----------------------------------------------------------------------------------------
+
+PAYLOAD = b"The quick brown fox jumps over the lazy dog. " * 2000
+ENCODINGS = [
+    pytest.param("gzip", gzip.compress, id="gzip"),
+    pytest.param("x-gzip", gzip.compress, id="x-gzip"),
+    pytest.param(" GZip ", gzip.compress, id="gzip-case-space"),
+    pytest.param("deflate", zlib.compress, id="deflate-zlib"),
+    pytest.param("deflate", lambda data: deflate(data, -zlib.MAX_WBITS), id="deflate-raw"),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("encoding", "compress"), ENCODINGS)
+@pytest.mark.parametrize("chunk_size", [1, 7, 1 << 20], ids=["1B", "7B", "whole"])
+async def test_decodes(encoding: str, compress: Any, chunk_size: int) -> None:
+    wire = compress(PAYLOAD)
+    receive = Receive(split(wire, chunk_size))
+    hasher = blake3()
+    with anyio.fail_after(5):
+        body = await read_body(
+            receive, max_bytes=len(PAYLOAD), expected_length=len(wire), content_encoding=encoding, hasher=hasher
+        )
+    assert type(body) is bytes
+    assert body == PAYLOAD
+    assert hasher.digest() == blake3(PAYLOAD).digest()
+    receive.assert_released()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("encoding", [None, "identity", "", "IDENTITY"])
+async def test_identity(encoding: str | None) -> None:
+    with anyio.fail_after(5):
+        assert await read_body(Receive([b"\x1f\x8b raw"]), max_bytes=100, content_encoding=encoding) == b"\x1f\x8b raw"
+
+
+@pytest.mark.anyio
+async def test_empty_body_with_encoding_is_empty() -> None:
+    with anyio.fail_after(5):
+        assert await read_body(Receive([b""]), max_bytes=100, content_encoding="gzip") == b""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_large_decoded_chunk_and_exact_limit(encoding: str) -> None:
+    """One small wire chunk decoding to many pieces; the decoded limit is inclusive; one copy."""
+    data = bytes(range(256)) * (8 * MiB // 256)
+    wire = gzip.compress(data) if encoding == "gzip" else zlib.compress(data)
+    receive = Receive([wire])
+    with allocation_peak() as peak, anyio.fail_after(5):
+        body = await read_body(receive, max_bytes=len(data), content_encoding=encoding)
+    assert body == data
+    assert peak[0] < 1.3 * len(data), peak[0] / len(data)
+    with anyio.fail_after(5), pytest.raises(BodyTooLarge):
+        await read_body(Receive([wire]), max_bytes=len(data) - 1, content_encoding=encoding)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_decompression_bomb(encoding: str, bombs: dict[str, bytes]) -> None:
+    wire = bombs[encoding]
+    receive = Receive(split(wire, 64 * 1024))
+    with allocation_peak() as peak, anyio.fail_after(5), pytest.raises(BodyTooLarge) as excinfo:
+        await read_body(receive, max_bytes=MiB, content_encoding=encoding)
+    assert excinfo.value.limit == MiB
+    assert peak[0] < 8 * MiB, peak[0]
+    receive.assert_released()
+
+
+def _flip(data: bytes, index: int) -> bytes:
+    return data[:index] + bytes([data[index] ^ 0xFF]) + data[index + 1 :]
+
+
+GZ = gzip.compress(PAYLOAD)
+ZL = zlib.compress(PAYLOAD)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("encoding", "wire"),
+    [
+        pytest.param("gzip", GZ[:-5], id="gzip-truncated-trailer"),
+        pytest.param("gzip", GZ[: len(GZ) // 2], id="gzip-truncated-half"),
+        pytest.param("gzip", _flip(GZ, len(GZ) // 2), id="gzip-corrupt"),
+        pytest.param("gzip", _flip(GZ, len(GZ) - 6), id="gzip-bad-crc"),
+        pytest.param("gzip", b"this is not gzip at all", id="gzip-garbage"),
+        pytest.param("gzip", GZ + b"trailing", id="gzip-trailing-data"),
+        pytest.param("deflate", ZL[:-3], id="zlib-truncated"),
+        pytest.param("deflate", b"\x78\x00" + ZL[2:], id="zlib-bad-header-check"),
+        pytest.param("deflate", ZL + b"\x00", id="zlib-trailing-data"),
+    ],
+)
+@pytest.mark.parametrize("chunk_size", [3, 1 << 20], ids=["3B", "whole"])
+async def test_malformed_encoding(encoding: str, wire: bytes, chunk_size: int) -> None:
+    receive = Receive(split(wire, chunk_size))
+    with anyio.fail_after(5), pytest.raises(MalformedBody) as excinfo:
+        await read_body(receive, max_bytes=len(PAYLOAD), content_encoding=encoding)
+    assert excinfo.value.code == "malformed_encoding"
+    assert excinfo.value.status_code == 400
+    assert excinfo.value.__cause__ is None
+    assert excinfo.value.__context__ is None or excinfo.value.__suppress_context__
+    receive.assert_released()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, br", "gzip, gzip"])
+async def test_unsupported_encoding(encoding: str) -> None:
+    receive = Receive([b"abc"])
+    with pytest.raises(MalformedBody) as excinfo:
+        await read_body(receive, max_bytes=100, content_encoding=encoding)
+    assert excinfo.value.code == "unsupported_encoding"
+    assert excinfo.value.status_code == 400
+    assert encoding in excinfo.value.message
+    assert receive.calls == 0
+
+
+@pytest.mark.anyio
+async def test_hasher_sees_exactly_the_plain_body() -> None:
+    parts = [b"", b"ab", b"cde", b"", b"f" * 1000]
+    hasher = blake3()
+    with anyio.fail_after(5):
+        body = await read_body(Receive(parts), max_bytes=2000, hasher=hasher)
+    assert hasher.digest() == blake3(b"".join(parts)).digest() == blake3(body).digest()
+
+
+# --- parse_content_length ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        pytest.param([], None, id="no-headers"),
+        pytest.param([(b"host", b"example.com")], None, id="absent"),
+        pytest.param([(b"content-length", b"12")], 12, id="valid"),
+        pytest.param([(b"content-length", b"0")], 0, id="zero"),
+        pytest.param([(b"content-length", b"  12 ")], 12, id="whitespace"),
+        pytest.param([(b"content-length", b"\t12")], 12, id="tab"),
+        pytest.param([(b"content-length", b"1,1")], 1, id="list-equal"),
+        pytest.param([(b"content-length", b"7, 7 ,7")], 7, id="list-equal-spaced"),
+        pytest.param([(b"content-length", b"5"), (b"content-length", b"5")], 5, id="two-equal-headers"),
+        pytest.param([(b"Content-Length", b"3")], 3, id="mixed-case-name"),
+        pytest.param([(b"x-a", b"1"), (b"content-length", b"9"), (b"x-b", b"2")], 9, id="among-others"),
+    ],
+)
+def test_parse_content_length(headers: list[tuple[bytes, bytes]], expected: int | None) -> None:
+    assert parse_content_length(headers) == expected
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param([(b"content-length", b"abc")], id="non-numeric"),
+        pytest.param([(b"content-length", b"-1")], id="negative"),
+        pytest.param([(b"content-length", b"+1")], id="plus-sign"),
+        pytest.param([(b"content-length", b"")], id="empty"),
+        pytest.param([(b"content-length", b"1.0")], id="decimal"),
+        pytest.param([(b"content-length", b"0x10")], id="hex"),
+        pytest.param([(b"content-length", "١٢".encode())], id="non-ascii-digits"),
+        pytest.param([(b"content-length", b"9" * 5000)], id="too-many-digits"),
+        pytest.param([(b"content-length", b"1,2")], id="list-conflicting"),
+        pytest.param([(b"content-length", b"1,")], id="list-empty-item"),
+        pytest.param([(b"content-length", b"1"), (b"content-length", b"2")], id="two-different-headers"),
+    ],
+)
+def test_parse_content_length_invalid(headers: list[tuple[bytes, bytes]]) -> None:
+    with pytest.raises(MalformedBody) as excinfo:
+        parse_content_length(headers)
+    assert excinfo.value.code == "invalid_content_length"
+    assert excinfo.value.status_code == 400
