@@ -1,0 +1,291 @@
+"""Post-forward bookkeeping, from scalars only.
+
+When a response ends the gateway hands its bookkeeper an ``Outcome``: the request's
+``Fingerprint`` (wire hash, text-comparable verdict, size, all taken from the body as
+received and before any mutation), the session id, status, bytes out and timings.
+Never the body itself, raw or parsed.
+
+Why: bookkeeping runs at the *end* of the response, which for an LLM stream can be
+minutes after the body was read. Anything this stage needs from the body must be
+derived up front, or the raw bytes, the parse tree and every closure that captured
+them stay alive for the whole stream (external memory / RSS that scales with request
+size x response time). Keeping ``Outcome`` scalar makes that retention impossible by
+construction; ``tests/test_bookkeeping.py`` fails if a bytes or container field is added.
+
+``SessionBook``, the default bookkeeper, keeps a bounded LRU of per-session entries and
+calls ``on_change`` (the per-session "recomputation") only when a session's wire hash
+changes. Sessions are pinned from admission until their response ends, so an active
+session's entry is never evicted under it::
+
+    book = SessionBook(max_sessions=10_000, counters=counters, on_change=rederive)
+    async with RequestScope(counters) as scope:
+        scope.add(book.pin(session_id))         # unpinned on every settlement path
+        ...                                     # forward, stream the response
+        await record_outcome(book, outcome)     # never raises
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final, Protocol, runtime_checkable
+
+import anyio
+
+from ._fingerprint import Fingerprint
+from ._stats import Counters
+
+__all__ = ["OUTCOMES", "Bookkeeper", "Outcome", "SessionBook", "SessionEntry", "record_outcome"]
+
+logger = logging.getLogger(__name__)
+
+OUTCOMES: Final = frozenset({"complete", "client_disconnected", "stalled", "starved", "upstream_error", "error"})
+"""The values ``Outcome.outcome`` may take."""
+
+# A user bookkeeper that awaits is bounded (and shielded, so a cancelled request is still
+# recorded): a wedged bookkeeper must not hold the response open.
+_RECORD_TIMEOUT: Final = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one forwarded request ended. Scalars only: no body, no headers, no parse tree."""
+
+    fingerprint: Fingerprint
+    session_id: str | None
+    path: str
+    status: int
+    bytes_out: int
+    attempts: int
+    upstream: str | None
+    started: float
+    """``time.monotonic()`` at admission."""
+    first_byte_at: float | None
+    """Monotonic time of the first response body byte; ``None`` if none was sent."""
+    ended: float
+    """Monotonic time the response ended."""
+    outcome: str
+    """One of ``OUTCOMES``."""
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, got {self.outcome!r}")
+
+    @property
+    def duration(self) -> float:
+        """Seconds from admission to the end of the response."""
+        return self.ended - self.started
+
+    @property
+    def ttfb(self) -> float | None:
+        """Seconds from admission to the first response byte, or ``None``."""
+        return None if self.first_byte_at is None else self.first_byte_at - self.started
+
+
+@runtime_checkable
+class Bookkeeper(Protocol):
+    """Anything with a ``record(outcome)`` method, sync or async.
+
+    ```python
+    class MetricsBookkeeper:
+        async def record(self, outcome: Outcome) -> None:
+            await metrics.observe(outcome.path, outcome.status, outcome.duration)
+    ```
+
+    Call it through ``record_outcome``, which awaits when needed and contains failures.
+    """
+
+    def record(self, outcome: Outcome) -> None | Awaitable[None]: ...
+
+
+async def record_outcome(bookkeeper: Bookkeeper, outcome: Outcome) -> None:
+    """Hand ``outcome`` to ``bookkeeper``, awaiting its result if it returns an awaitable.
+
+    Never raises: an exception from the bookkeeper is logged and swallowed, so a failing bookkeeper cannot break a
+    response or skip the request's releases. An awaiting bookkeeper is shielded from
+    cancellation (a disconnected request is still recorded; the caller's cancellation is
+    delivered at its next checkpoint) and bounded by
+    ``_RECORD_TIMEOUT`` seconds; the shield is why the bound is here and not the caller's.
+    """
+    timeout = _RECORD_TIMEOUT
+    try:
+        with anyio.move_on_after(timeout, shield=True) as deadline:
+            result = bookkeeper.record(outcome)
+            if result is not None:
+                await result
+        if deadline.cancelled_caught:
+            logger.warning(
+                "bookkeeper %s did not record %s outcome for %s within %ss",
+                type(bookkeeper).__qualname__,
+                outcome.outcome,
+                outcome.path,
+                timeout,
+            )
+    except Exception:
+        logger.exception(
+            "bookkeeper %s failed to record %s outcome for %s",
+            type(bookkeeper).__qualname__,
+            outcome.outcome,
+            outcome.path,
+        )
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    """What ``SessionBook`` keeps about one session: the latest request's fingerprint and totals."""
+
+    wire_hash: str
+    text_comparable: bool
+    size: int
+    requests: int = 0
+    bytes_out: int = 0
+    last_status: int = 0
+    last_outcome: str = ""
+    last_seen: float = 0.0
+    """Monotonic ``Outcome.ended`` of the latest recorded request."""
+    synced_hash: str | None = None
+    """The wire hash ``on_change`` last completed for; ``None`` until it has once."""
+
+
+class _Unpin:
+    """The idempotent release returned by ``SessionBook.pin``."""
+
+    __slots__ = ("_book", "_session_id")
+
+    def __init__(self, book: SessionBook, session_id: str) -> None:
+        self._book: SessionBook | None = book
+        self._session_id = session_id
+
+    def __call__(self) -> None:
+        book, self._book = self._book, None
+        if book is not None:
+            book._unpin(self._session_id)
+
+
+class SessionBook:
+    """The default bookkeeper: a bounded, pin-aware LRU of per-session entries.
+
+    ```python
+    book = SessionBook(max_sessions=10_000, counters=counters, on_change=rederive)
+    unpin = book.pin("sess-1")                  # at admission; register with the RequestScope
+    book.record(outcome)                        # at the end of the response
+    unpin()                                     # idempotent
+    ```
+
+    - ``record`` stores outcomes that carry a session id (others are ignored), making the
+      session the most recently used. ``on_change(session_id, fingerprint)`` runs when the
+      session is new or its wire hash differs from the one ``on_change`` last completed
+      for; an unchanged hash skips it. ``recomputations`` counts the runs. If ``on_change``
+      raises, the entry is still updated, the exception propagates (``record_outcome``
+      logs it), and the next record of that session runs it again.
+    - ``pin`` is reference counted: each concurrent request on a session takes its own pin
+      and the session is unpinned when the last one is released. A pinned session's entry
+      is never evicted, including an entry created by ``record`` after the pin was taken.
+      When the entries over the bound are all pinned the book temporarily holds more than
+      ``max_sessions``: at most ``max(max_sessions, pinned entries + 1)``, the +1 being the
+      entry just recorded, which always survives its own record. Every unpin evicts back
+      toward the bound, so the book shrinks to ``max_sessions`` as pins are released.
+    - ``counters.pinned_sessions`` counts pinned *requests* (outstanding pins: +1 per
+      ``pin``, -1 per first call of its unpin), so it returns to 0 exactly when every
+      request has released. ``pinned`` counts distinct pinned session ids.
+    - ``get`` is a peek: it does not refresh recency. ``pin`` does.
+    """
+
+    __slots__ = ("_max_sessions", "_counters", "_on_change", "_entries", "_pins", "recomputations")
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int,
+        counters: Counters | None = None,
+        on_change: Callable[[str, Fingerprint], None] | None = None,
+    ) -> None:
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions must be a positive integer, got {max_sessions!r}")
+        self._max_sessions = max_sessions
+        self._counters = counters if counters is not None else Counters()
+        self._on_change = on_change
+        self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
+        self._pins: dict[str, int] = {}
+        self.recomputations = 0
+
+    @property
+    def max_sessions(self) -> int:
+        return self._max_sessions
+
+    @property
+    def pinned(self) -> int:
+        """Number of distinct session ids pinned right now."""
+        return len(self._pins)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._entries
+
+    def get(self, session_id: str) -> SessionEntry | None:
+        """The session's entry, or ``None``. Does not refresh recency."""
+        return self._entries.get(session_id)
+
+    def pin(self, session_id: str) -> Callable[[], None]:
+        """Pin ``session_id`` for one request; returns its idempotent unpin."""
+        self._pins[session_id] = self._pins.get(session_id, 0) + 1
+        self._counters.pinned_sessions += 1
+        if session_id in self._entries:
+            self._entries.move_to_end(session_id)
+        return _Unpin(self, session_id)
+
+    def _unpin(self, session_id: str) -> None:
+        self._counters.pinned_sessions -= 1
+        remaining = self._pins[session_id] - 1
+        if remaining:
+            self._pins[session_id] = remaining
+        else:
+            del self._pins[session_id]
+            self._evict()
+
+    def record(self, outcome: Outcome) -> None:
+        session_id = outcome.session_id
+        if session_id is None:
+            return
+        fp = outcome.fingerprint
+        entry = self._entries.get(session_id)
+        if entry is None:
+            entry = SessionEntry(wire_hash=fp.wire_hash, text_comparable=fp.text_comparable, size=fp.size)
+            self._entries[session_id] = entry
+        else:
+            entry.wire_hash, entry.text_comparable, entry.size = fp.wire_hash, fp.text_comparable, fp.size
+            self._entries.move_to_end(session_id)
+        entry.requests += 1
+        entry.bytes_out += outcome.bytes_out
+        entry.last_status = outcome.status
+        entry.last_outcome = outcome.outcome
+        entry.last_seen = outcome.ended
+        self._evict(keep=session_id)
+        if entry.synced_hash == fp.wire_hash:
+            return
+        self.recomputations += 1
+        if self._on_change is not None:
+            self._on_change(session_id, fp)
+        entry.synced_hash = fp.wire_hash
+
+    def _evict(self, keep: str | None = None) -> None:
+        """Drop least recently used unpinned entries down to ``max_sessions``, as far as pins allow.
+
+        ``keep``, the session just recorded, is never the victim: the most recently used
+        entry always survives its own record, even when every older entry is pinned.
+        """
+        excess = len(self._entries) - self._max_sessions
+        if excess <= 0:
+            return
+        victims: list[str] = []
+        for session_id in self._entries:
+            if session_id not in self._pins and session_id != keep:
+                victims.append(session_id)
+                if len(victims) == excess:
+                    break
+        for session_id in victims:
+            del self._entries[session_id]
