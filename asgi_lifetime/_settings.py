@@ -1,0 +1,344 @@
+"""Settings: one frozen object holding every knob.
+
+Construct it in code (``LifetimeSettings(max_body_bytes=8 * MiB)``), from a mapping
+(``LifetimeSettings.from_mapping({"MAX_BODY_BYTES": "8MiB"})``) or from the environment
+and an optional ``.env`` file (``LifetimeSettings.from_environ()``), where every setting is
+``ASGI_LIFETIME_<NAME>``. Every field is described once, in ``SETTINGS``; docs, the CLI and
+the ``settings`` report are generated from that table so they cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from starlette.config import Config
+
+__all__ = ["ENV_PREFIX", "GiB", "KiB", "LifetimeSettings", "MiB", "SettingSpec", "SETTINGS"]
+
+ENV_PREFIX = "ASGI_LIFETIME_"
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": KiB,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": MiB,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": GiB,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_size(text: str) -> int:
+    match = _SIZE_RE.match(text)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError("expected a byte size such as 65536, 64MiB or 1GB")
+    # Exact arithmetic: a float would turn "2.01KB" into 2009 and a very long number into inf.
+    return int(Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip())
+
+
+def _parse_float(text: str) -> float:
+    value = float(text.strip())
+    if not math.isfinite(value):
+        raise ValueError("expected a finite number")
+    return value
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError("expected true/false, 1/0, yes/no or on/off")
+
+
+def _parse_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def _parse_str(text: str) -> str:
+    return text.strip()
+
+
+def _parse_optional_str(text: str) -> str | None:
+    return text.strip() or None
+
+
+@dataclass(frozen=True, slots=True)
+class SettingSpec:
+    """How one setting is named, parsed, checked and documented."""
+
+    name: str
+    parse: Callable[[str], Any]
+    check: Callable[[Any], str | None]
+    help: str
+    secret: bool = False
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _positive(value: Any) -> str | None:
+    return None if value > 0 else "must be greater than 0"
+
+
+def _non_negative(value: Any) -> str | None:
+    return None if value >= 0 else "must be 0 or greater"
+
+
+def _at_least_one(value: Any) -> str | None:
+    return None if value >= 1 else "must be at least 1"
+
+
+def _anything(value: Any) -> str | None:
+    return None
+
+
+def _path_prefixes(value: Any) -> str | None:
+    if not value:
+        return "must name at least one path prefix"
+    bad = [p for p in value if not p.startswith("/")]
+    return f"path prefixes must start with '/' ({bad[0]!r} does not)" if bad else None
+
+
+def _urls(value: Any) -> str | None:
+    bad = [u for u in value if not re.match(r"^https?://[^\s/]+", u)]
+    return f"each upstream must be an http:// or https:// URL ({bad[0]!r} is not)" if bad else None
+
+
+def _header_name(value: Any) -> str | None:
+    return None if re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", value) else "must be a valid HTTP header name"
+
+
+def _keys(value: Any) -> str | None:
+    return "keys must not be empty" if any(not k for k in value) else None
+
+
+# name -> (parser, check, help, secret). Defaults live on the dataclass below.
+SETTINGS: dict[str, SettingSpec] = {
+    spec.name: spec
+    for spec in [
+        # Reading and admission.
+        SettingSpec("max_body_bytes", _parse_size, _positive, "Largest request body accepted (after decoding)."),
+        SettingSpec("body_idle_timeout", _parse_float, _positive, "Seconds without a body chunk before 408."),
+        SettingSpec("max_inflight", _parse_int, _at_least_one, "Requests admitted at once."),
+        SettingSpec(
+            "max_inflight_bytes",
+            _parse_size,
+            _positive,
+            "Sum of admitted request bodies (by Content-Length or bytes read).",
+        ),
+        SettingSpec("admission_timeout", _parse_float, _non_negative, "Seconds a request may wait for admission."),
+        SettingSpec("paths", _parse_list, _path_prefixes, "Comma-separated path prefixes the middleware handles."),
+        # Forwarding.
+        SettingSpec("upstream_url", _parse_list, _urls, "Comma-separated upstream base URLs."),
+        SettingSpec("max_attempts", _parse_int, _at_least_one, "Upstream attempts per request, all kinds."),
+        SettingSpec("retry_deadline", _parse_float, _positive, "Seconds all attempts of one request may take."),
+        SettingSpec("backoff_base", _parse_float, _non_negative, "First retry's backoff ceiling in seconds."),
+        SettingSpec("backoff_max", _parse_float, _non_negative, "Largest backoff in seconds."),
+        SettingSpec("retry_after_cap", _parse_float, _non_negative, "Largest upstream Retry-After honoured."),
+        SettingSpec("connect_timeout", _parse_float, _positive, "Seconds to connect to the upstream."),
+        SettingSpec("headers_timeout", _parse_float, _positive, "Seconds to wait for upstream response headers."),
+        SettingSpec("stall_timeout", _parse_float, _positive, "Seconds of upstream silence that end a stream."),
+        SettingSpec("keepalive_interval", _parse_float, _positive, "Seconds between SSE keep-alives in silence."),
+        SettingSpec("retain_outbound", _parse_bool, _anything, "Keep the outbound body for one blind re-issue."),
+        SettingSpec("session_header", _parse_str, _header_name, "Request header carrying the session id."),
+        SettingSpec("bookkeeping_sessions", _parse_int, _at_least_one, "Sessions kept by the default bookkeeper."),
+        SettingSpec("error_body_limit", _parse_size, _positive, "Bytes of an upstream error body buffered."),
+        # Operating the gateway.
+        SettingSpec(
+            "upstream_api_key",
+            _parse_optional_str,
+            _anything,
+            "Key injected upstream; clients must then present a gateway key.",
+            secret=True,
+        ),
+        SettingSpec("gateway_keys", _parse_list, _keys, "Comma-separated keys clients may present.", secret=True),
+        SettingSpec("upstream_cooloff", _parse_float, _non_negative, "Seconds an upstream that failed is skipped."),
+        SettingSpec("shutdown_grace", _parse_float, _non_negative, "Seconds in-flight streams get on shutdown."),
+    ]
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LifetimeSettings:
+    """Every knob of asgi_lifetime, validated on construction.
+
+    ```python
+    settings = LifetimeSettings(max_body_bytes=16 * MiB, paths=("/v1/",))
+    settings = LifetimeSettings.from_environ()  # ASGI_LIFETIME_* and ./.env
+    ```
+    """
+
+    max_body_bytes: int = 64 * MiB
+    body_idle_timeout: float = 30.0
+    max_inflight: int = 64
+    max_inflight_bytes: int = 1 * GiB
+    admission_timeout: float = 10.0
+    paths: tuple[str, ...] = ("/v1/",)
+
+    upstream_url: tuple[str, ...] = ()
+    max_attempts: int = 4
+    retry_deadline: float = 60.0
+    backoff_base: float = 0.5
+    backoff_max: float = 8.0
+    retry_after_cap: float = 30.0
+    connect_timeout: float = 10.0
+    headers_timeout: float = 120.0
+    stall_timeout: float = 120.0
+    keepalive_interval: float = 15.0
+    retain_outbound: bool = True
+    session_header: str = "x-session-id"
+    bookkeeping_sessions: int = 10_000
+    error_body_limit: int = 64 * KiB
+
+    upstream_api_key: str | None = field(default=None, repr=False)
+    gateway_keys: tuple[str, ...] = field(default=(), repr=False)
+    upstream_cooloff: float = 30.0
+    shutdown_grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name, spec in SETTINGS.items():
+            value = getattr(self, name)
+            if isinstance(value, list):  # accept lists from code, store tuples
+                value = tuple(value)
+                object.__setattr__(self, name, value)
+            problem = _type_problem(name, value) or spec.check(value)
+            if problem:
+                raise ValueError(f"{spec.env}={_show(spec, value)} is invalid: {problem}")
+        if self.max_inflight_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"{ENV_PREFIX}MAX_INFLIGHT_BYTES={self.max_inflight_bytes} is invalid: "
+                f"must be at least MAX_BODY_BYTES ({self.max_body_bytes}) so one request can always be admitted"
+            )
+        if self.backoff_max < self.backoff_base:
+            raise ValueError(
+                f"{ENV_PREFIX}BACKOFF_MAX={self.backoff_max:g} is invalid: must be at least BACKOFF_BASE "
+                f"({self.backoff_base:g})"
+            )
+
+    def replace(self, **changes: Any) -> LifetimeSettings:
+        """A copy with some settings changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any], *, base: LifetimeSettings | None = None) -> LifetimeSettings:
+        """Build from a mapping. Keys may be ``max_body_bytes``, ``MAX_BODY_BYTES`` or
+        ``ASGI_LIFETIME_MAX_BODY_BYTES``; string values are parsed, typed values taken as they are."""
+        changes: dict[str, Any] = {}
+        for key, value in mapping.items():
+            spec = _spec_for(key)
+            changes[spec.name] = _coerce(spec, value)
+        return dataclasses.replace(base or cls(), **changes)
+
+    @classmethod
+    def from_environ(
+        cls, environ: Mapping[str, str] | None = None, *, env_file: str | Path | None = ".env"
+    ) -> LifetimeSettings:
+        """Build from ``ASGI_LIFETIME_*`` variables, then ``env_file`` if it exists, then defaults."""
+        return cls.from_mapping({name: raw for name, (raw, _) in collect_environ(environ, env_file=env_file).items()})
+
+    def public_items(self) -> list[tuple[str, str]]:
+        """(ENV name, printable value) pairs, secrets masked; for reports and logs."""
+        return [(spec.env, _show(spec, getattr(self, name))) for name, spec in SETTINGS.items()]
+
+
+# name -> the types a field accepts, derived from the type of its default.
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    f.name: {
+        bool: (bool,),
+        int: (int,),
+        float: (int, float),
+        tuple: (tuple,),
+        str: (str,),
+    }.get(type(f.default), (str, type(None)))
+    for f in dataclasses.fields(LifetimeSettings)
+}
+
+
+def collect_environ(
+    environ: Mapping[str, str] | None = None, *, env_file: str | Path | None = ".env"
+) -> dict[str, tuple[str, str]]:
+    """Raw setting values found in the environment or ``env_file``: name -> (raw text, source).
+
+    Unknown ``ASGI_LIFETIME_*`` names raise ``ValueError``: a typo in an operator's
+    environment should fail loudly at start, not be ignored.
+    """
+    env = os.environ if environ is None else environ
+    file = env_file if env_file is not None and os.path.isfile(env_file) else None
+    config = Config(file, environ=env, env_prefix=ENV_PREFIX)
+    for key in [*env, *config.file_values]:
+        if key.startswith(ENV_PREFIX):
+            _spec_for(key)
+    found: dict[str, tuple[str, str]] = {}
+    for name, spec in SETTINGS.items():
+        raw = config(name.upper(), default=None)
+        if raw is not None:
+            source = "environment" if spec.env in env else f"env file {file}"
+            found[name] = (raw, source)
+    return found
+
+
+def _spec_for(key: str) -> SettingSpec:
+    name = key.lower()
+    if name.startswith(ENV_PREFIX.lower()):
+        name = name[len(ENV_PREFIX) :]
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise ValueError(f"unknown setting {key!r}; known settings: {', '.join(sorted(SETTINGS))}") from None
+
+
+def _coerce(spec: SettingSpec, value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return spec.parse(value)
+        except ValueError as exc:
+            raise ValueError(f"{spec.env}={_show(spec, value)} is invalid: {exc}") from None
+    if isinstance(value, Iterable) and not isinstance(value, (bytes, str)):
+        return tuple(value)
+    return value
+
+
+def _type_problem(name: str, value: Any) -> str | None:
+    expected = _FIELD_TYPES[name]
+    if isinstance(value, bool) and bool not in expected:
+        return "has the wrong type (bool)"
+    if not isinstance(value, expected):
+        return f"has the wrong type ({type(value).__name__})"
+    if isinstance(value, tuple) and not all(isinstance(v, str) for v in value):
+        return "must be a list of strings"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    return None
+
+
+def _show(spec: SettingSpec, value: Any) -> str:
+    if spec.secret:
+        return "***" if value else "(unset)"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))  # items may not be strings when the value is being rejected
+    return str(value)
