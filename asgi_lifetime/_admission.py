@@ -1,0 +1,155 @@
+"""Admission: a slot and a byte budget per request, granted first come, first served.
+
+A request waits at most ``ADMISSION_TIMEOUT`` for both; otherwise it is answered 503 with
+``Retry-After``. The ticket it gets is released exactly once, whatever way the request
+settles (the middleware registers ``ticket.release`` with the request's scope).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import anyio
+
+from ._exceptions import AdmissionRejected
+from ._stats import Counters
+
+__all__ = ["Admission", "Ticket"]
+
+
+class _Waiter:
+    __slots__ = ("slots", "nbytes", "event", "granted")
+
+    def __init__(self, slots: int, nbytes: int) -> None:
+        self.slots = slots
+        self.nbytes = nbytes
+        self.event = anyio.Event()
+        self.granted = False
+
+
+class Admission:
+    """Limits requests in flight and the sum of their body sizes."""
+
+    def __init__(self, *, max_inflight: int, max_inflight_bytes: int, timeout: float, counters: Counters) -> None:
+        self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes
+        self.timeout = timeout
+        self._counters = counters
+        self._waiters: deque[_Waiter] = deque()
+        self._closed_reason: str | None = None
+
+    @property
+    def retry_after(self) -> int:
+        return max(1, math.ceil(self.timeout))
+
+    def close(self, reason: str = "the gateway is shutting down") -> None:
+        """Stop admitting: every later request (and every waiter) is rejected with 503."""
+        self._closed_reason = reason
+        # Requests still waiting for a slot are turned away; an admitted request growing
+        # its byte budget keeps its place.
+        for waiter in [w for w in self._waiters if w.slots]:
+            self._waiters.remove(waiter)
+            waiter.event.set()
+
+    async def acquire(self, nbytes: int) -> Ticket:
+        """Wait for a slot and ``nbytes`` of budget; raise ``AdmissionRejected`` after the timeout."""
+        await self._wait(1, min(nbytes, self.max_inflight_bytes), front=False)
+        self._counters.admitted += 1
+        return Ticket(self, min(nbytes, self.max_inflight_bytes))
+
+    def _fits(self, slots: int, nbytes: int) -> bool:
+        c = self._counters
+        return c.inflight_requests + slots <= self.max_inflight and c.inflight_bytes + nbytes <= self.max_inflight_bytes
+
+    def _take(self, slots: int, nbytes: int) -> None:
+        self._counters.inflight_requests += slots
+        self._counters.inflight_bytes += nbytes
+
+    def _give_back(self, slots: int, nbytes: int) -> None:
+        self._counters.inflight_requests -= slots
+        self._counters.inflight_bytes -= nbytes
+        self._wake()
+
+    def _wake(self) -> None:
+        # Strict FIFO: the head waiter is served first, so a large request is not starved
+        # by a stream of small ones.
+        while self._waiters and self._fits(self._waiters[0].slots, self._waiters[0].nbytes):
+            waiter = self._waiters.popleft()
+            self._take(waiter.slots, waiter.nbytes)
+            waiter.granted = True
+            waiter.event.set()
+
+    async def _wait(self, slots: int, nbytes: int, *, front: bool) -> None:
+        if self._closed_reason is not None and slots:
+            self._reject(self._closed_reason)
+        if not self._waiters and self._fits(slots, nbytes):
+            self._take(slots, nbytes)
+            return
+        waiter = _Waiter(slots, nbytes)
+        if front:
+            # Ahead of requests not yet admitted, behind earlier grows (FIFO among those too),
+            # and served at once if it fits: nothing else would wake it.
+            index = 0
+            while index < len(self._waiters) and not self._waiters[index].slots:
+                index += 1
+            self._waiters.insert(index, waiter)
+            self._wake()
+        else:
+            self._waiters.append(waiter)
+        try:
+            with anyio.move_on_after(self.timeout):
+                await waiter.event.wait()
+        except BaseException:
+            # Cancelled while waiting: give back a grant that raced the cancellation.
+            self._forget(waiter)
+            raise
+        if not waiter.granted:
+            self._forget(waiter)
+            self._reject(self._closed_reason or f"server busy: not admitted within {self.timeout:g} seconds")
+
+    def _forget(self, waiter: _Waiter) -> None:
+        if waiter.granted:
+            self._give_back(waiter.slots, waiter.nbytes)
+        elif waiter in self._waiters:
+            self._waiters.remove(waiter)
+            self._wake()  # the head may have left; whoever is next may fit now
+
+    def _reject(self, message: str) -> None:
+        self._counters.rejected += 1
+        raise AdmissionRejected(message, retry_after=self.retry_after)
+
+
+class Ticket:
+    """One admitted request's share of the limits."""
+
+    __slots__ = ("_admission", "nbytes", "_released")
+
+    def __init__(self, admission: Admission, nbytes: int) -> None:
+        self._admission = admission
+        self.nbytes = nbytes
+        self._released = False
+
+    async def grow(self, nbytes: int) -> None:
+        """Charge ``nbytes`` more (a body of unknown length as it is read). Waits like admission,
+        ahead of requests not yet admitted, since this one already holds a slot."""
+        if self._released or nbytes <= 0:
+            return
+        extra = min(nbytes, self._admission.max_inflight_bytes - self.nbytes)
+        if extra <= 0:
+            return
+        await self._admission._wait(0, extra, front=True)
+        if self._released:  # released while this grow waited: the bytes are nobody's to keep
+            self._admission._give_back(0, extra)
+            return
+        self.nbytes += extra
+
+    async def grow_to(self, total: int) -> None:
+        """Grow the charge to ``total`` bytes if it is below that."""
+        await self.grow(total - self.nbytes)
+
+    def release(self) -> None:
+        """Give the slot and bytes back (idempotent)."""
+        if not self._released:
+            self._released = True
+            self._admission._give_back(1, self.nbytes)
