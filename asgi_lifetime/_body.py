@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import zlib
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 import anyio
@@ -80,6 +80,7 @@ async def read_body(
     idle_timeout: float | None = None,
     content_encoding: str | None = None,
     hasher: Hasher | None = None,
+    on_progress: Callable[[int], Awaitable[object]] | None = None,
 ) -> bytes:
     """Read the whole request body from ``receive`` and return it decoded.
 
@@ -88,6 +89,8 @@ async def read_body(
     ``idle_timeout`` is the longest wait for one message (``BodyIdleTimeout``);
     ``content_encoding`` may be identity, gzip, x-gzip or deflate (zlib or raw).
     ``hasher.update`` is fed the decoded body piece by piece.
+    ``on_progress`` is awaited with the running count of wire bytes after each chunk that
+    passed the limits (the admission byte budget charges there); its wait is not idle time.
     Raises ``BodyAborted`` on ``http.disconnect`` and ``MalformedBody`` for bad framing or encoding.
     """
     if max_bytes < 0:
@@ -132,6 +135,8 @@ async def read_body(
                 raise BodyTooLarge(max_bytes)
             if not chunk:
                 continue
+            if on_progress is not None:
+                await on_progress(wire)
             if encoding is None:
                 buf.write(chunk)
                 if hasher is not None:

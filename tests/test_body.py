@@ -206,6 +206,34 @@ async def test_idle_timeout_is_per_message_not_total() -> None:
 
 
 @pytest.mark.anyio
+async def test_on_progress_sees_running_wire_total_and_its_wait_is_not_idle_time() -> None:
+    totals: list[int] = []
+
+    async def charge(total: int) -> None:
+        totals.append(total)
+        await anyio.sleep(0.1)  # e.g. waiting for admission budget: longer than the idle timeout
+
+    receive = Receive([b"abc", b"", b"defg"])
+    with anyio.fail_after(5):
+        body = await read_body(receive, max_bytes=100, idle_timeout=0.05, on_progress=charge)
+    assert body == b"abcdefg"
+    assert totals == [3, 7]  # empty chunks charge nothing
+    receive.assert_released()
+
+
+@pytest.mark.anyio
+async def test_on_progress_is_not_called_for_the_chunk_that_crosses_the_limit() -> None:
+    totals: list[int] = []
+
+    async def charge(total: int) -> None:
+        totals.append(total)
+
+    with pytest.raises(BodyTooLarge):
+        await read_body(Receive([b"abcd", b"efgh"]), max_bytes=6, on_progress=charge)
+    assert totals == [4]
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("expected_length", [None, 10])
 async def test_disconnect_before_end(expected_length: int | None) -> None:
     receive = Receive([b"abc", b"def", {"type": "http.disconnect"}, b"ghij"])
