@@ -1,0 +1,268 @@
+"""``LifetimeMiddleware``: admit, read, fingerprint, replay once, release on every path."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from blake3 import blake3
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import _json
+from ._admission import Admission
+from ._body import parse_content_length, read_body
+from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTooLarge, LifetimeError
+from ._fingerprint import Fingerprint, fingerprint
+from ._scope import RequestScope, Resource
+from ._settings import LifetimeSettings
+from ._stats import Counters, LifetimeStats
+
+__all__ = ["Lifetime", "LifetimeMiddleware", "RequestLifetime", "send_error"]
+
+logger = logging.getLogger(__name__)
+
+_NOT_PARSED: Any = object()
+
+
+class Lifetime:
+    """The live state one middleware (or gateway) owns: settings, counters and admission.
+
+    Published as ``app.state.lifetime``; ``lifetime.stats()`` is a ``LifetimeStats`` snapshot.
+    """
+
+    def __init__(self, settings: LifetimeSettings) -> None:
+        self.settings = settings
+        self.counters = Counters()
+        self.admission = Admission(
+            max_inflight=settings.max_inflight,
+            max_inflight_bytes=settings.max_inflight_bytes,
+            timeout=settings.admission_timeout,
+            counters=self.counters,
+        )
+
+    def stats(self) -> LifetimeStats:
+        return self.counters.snapshot()
+
+    def handles(self, scope: Scope) -> bool:
+        """Whether a scope is an HTTP request under one of the configured path prefixes."""
+        if scope["type"] != "http":
+            return False
+        path: str = scope["path"]
+        root: str = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        return any(path.startswith(p) or path == p.rstrip("/") for p in self.settings.paths)
+
+
+class RequestLifetime:
+    """Per-request facts, at ``request.state.lifetime``. Never holds the raw body.
+
+    - ``fingerprint``: wire hash, text-comparability verdict and size of the body as received.
+    - ``size``: decoded body size in bytes; ``admission_wait``: seconds spent waiting for admission.
+    - ``resources``: the request's ``RequestScope``; register anything that must be released
+      when the request settles (``request.state.lifetime.resources.add(close)``).
+    """
+
+    __slots__ = ("fingerprint", "size", "admission_wait", "resources", "_parsed", "_parsed_hold")
+
+    def __init__(self, fp: Fingerprint, *, admission_wait: float, resources: RequestScope) -> None:
+        self.fingerprint = fp
+        self.size = fp.size
+        self.admission_wait = admission_wait
+        self.resources = resources
+        self._parsed: Any = _NOT_PARSED
+        self._parsed_hold: Resource | None = None
+
+    def take_parsed(self) -> Any:
+        """Take ownership of the first parse of the body (only with ``handoff_parsed=True``).
+
+        Returns it once and forgets it, so the middleware holds no reference afterwards.
+        Raises ``LookupError`` when there is none (not handed off, not JSON, or already taken).
+        """
+        parsed, self._parsed = self._parsed, _NOT_PARSED
+        if parsed is _NOT_PARSED:
+            raise LookupError("no parsed body to take")
+        return parsed
+
+    async def _drop_parsed(self) -> None:
+        self._parsed = _NOT_PARSED
+        if self._parsed_hold is not None:
+            await self._parsed_hold.release()
+
+
+class _Replay:
+    """Holds the body until the inner app's first ``receive()``; then holds nothing."""
+
+    __slots__ = ("body", "hold", "receive")
+
+    def __init__(self, body: bytes, hold: Resource, receive: Receive) -> None:
+        self.body: bytes | None = body
+        self.hold: Resource | None = hold
+        self.receive = receive
+
+    async def __call__(self) -> Message:
+        body, self.body = self.body, None
+        if body is None:
+            return await self.receive()
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            await hold.release()
+        return {"type": "http.request", "body": body, "more_body": False}
+
+
+class LifetimeMiddleware:
+    """Admits each request, reads its body safely, fingerprints it and replays it once.
+
+    ```python
+    app = FastAPI()
+    app.add_middleware(LifetimeMiddleware, settings=LifetimeSettings(max_body_bytes=32 * MiB))
+    ```
+
+    Without ``settings`` it uses ``app.state.lifetime_settings`` (a ``LifetimeSettings`` or a
+    mapping) if set, else the environment (``ASGI_LIFETIME_*`` and ``.env``). Requests outside
+    ``PATHS`` and non-HTTP scopes pass through untouched. The admission slot and byte budget
+    come back on every settlement path. ``handoff_parsed=True`` keeps the first parse for the
+    inner app to ``take_parsed()`` (the gateway uses it to parse once).
+    """
+
+    def __init__(self, app: ASGIApp, *, settings: LifetimeSettings | None = None, handoff_parsed: bool = False) -> None:
+        self.app = app
+        self.handoff_parsed = handoff_parsed
+        self._lifetime = Lifetime(settings) if settings is not None else None
+
+    @property
+    def lifetime(self) -> Lifetime:
+        if self._lifetime is None:
+            raise RuntimeError("LifetimeMiddleware has not resolved its settings yet (no request or lifespan seen)")
+        return self._lifetime
+
+    def stats(self) -> LifetimeStats:
+        return self.lifetime.stats()
+
+    def _bind(self, scope: Scope) -> Lifetime:
+        lifetime = self._lifetime
+        app = scope.get("app")
+        state = getattr(app, "state", None)
+        if lifetime is None:
+            configured = getattr(state, "lifetime_settings", None) if state is not None else None
+            if isinstance(configured, LifetimeSettings):
+                settings = configured
+            elif isinstance(configured, Mapping):
+                settings = LifetimeSettings.from_mapping(configured)
+            else:
+                settings = LifetimeSettings.from_environ()
+            lifetime = self._lifetime = Lifetime(settings)
+        if state is not None and getattr(state, "lifetime", None) is None:
+            state.lifetime = lifetime
+        return lifetime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "lifespan"):
+            await self.app(scope, receive, send)
+            return
+        lifetime = self._bind(scope)
+        if not lifetime.handles(scope):
+            await self.app(scope, receive, send)
+            return
+        counters = lifetime.counters
+        async with RequestScope(counters) as resources:
+            try:
+                inner_scope, replay = await self._admit_and_read(lifetime, scope, receive, resources)
+            except LifetimeError as exc:
+                _count(counters, exc)
+                if isinstance(exc, BodyAborted):
+                    logger.info("%s %s: %s", scope["method"], scope["path"], exc.message)
+                else:
+                    await send_error(send, exc)
+                return
+            try:
+                await self.app(inner_scope, replay, send)
+            finally:
+                lifetime_state = inner_scope["state"]["lifetime"]
+                await lifetime_state._drop_parsed()
+            counters.completed += 1
+
+    async def _admit_and_read(
+        self, lifetime: Lifetime, scope: Scope, receive: Receive, resources: RequestScope
+    ) -> tuple[Scope, _Replay]:
+        # Everything that touches the body happens in this frame, which has returned by the
+        # time the inner app runs: no suspended frame of ours keeps the body alive.
+        settings = lifetime.settings
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        length = parse_content_length(headers)
+        if length is not None and length > settings.max_body_bytes:
+            raise BodyTooLarge(settings.max_body_bytes)
+        encoding = _header(headers, b"content-encoding")
+
+        started = time.monotonic()
+        ticket = await lifetime.admission.acquire(length or 0)
+        resources.add(ticket.release)
+        admission_wait = time.monotonic() - started
+
+        hasher = blake3()
+        raw = await read_body(
+            receive,
+            max_bytes=settings.max_body_bytes,
+            expected_length=length,
+            idle_timeout=settings.body_idle_timeout,
+            content_encoding=encoding,
+            hasher=hasher,
+            on_progress=ticket.grow_to if length is None else None,
+        )
+        await ticket.grow_to(len(raw))  # a decoded body is charged at its decoded size
+        hold = resources.retain(len(raw))
+        parsed: Any = _NOT_PARSED
+        if _is_json(headers):
+            try:
+                parsed = _json.loads(raw)
+            except _json.JSONDecodeFailure:
+                pass
+        fp = fingerprint(raw, parsed=None if parsed is _NOT_PARSED else parsed, wire_hash=hasher.hexdigest())
+        state = RequestLifetime(fp, admission_wait=admission_wait, resources=resources)
+        if self.handoff_parsed and parsed is not _NOT_PARSED:
+            state._parsed = parsed
+            state._parsed_hold = resources.retain(len(raw))
+
+        inner_scope = dict(scope)
+        inner_scope["state"] = {**scope.get("state", {}), "lifetime": state}
+        if encoding or length != len(raw):
+            # The inner app sees the decoded body: describe it truthfully.
+            inner_scope["headers"] = [
+                (k, v) for k, v in headers if k not in (b"content-encoding", b"content-length", b"transfer-encoding")
+            ] + [(b"content-length", str(len(raw)).encode())]
+        return inner_scope, _Replay(raw, hold, receive)
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1").strip().lower() or None
+    return None
+
+
+def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
+    content_type = _header(headers, b"content-type")
+    return content_type is None or "json" in content_type
+
+
+def _count(counters: Counters, exc: LifetimeError) -> None:
+    if isinstance(exc, BodyAborted):
+        counters.aborted += 1
+    elif isinstance(exc, BodyTooLarge):
+        counters.too_large += 1
+    elif isinstance(exc, BodyIdleTimeout):
+        counters.timed_out += 1
+
+
+async def send_error(send: Send, exc: LifetimeError) -> None:
+    """Send ``exc`` as a complete OpenAI-style JSON error response."""
+    body = exc.json_body()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *((k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()),
+    ]
+    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,486 @@
+from __future__ import annotations
+
+import gc
+import gzip
+import json
+import random
+import sys
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi import Request as FastAPIRequest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+from starlette.types import Message, Receive, Scope, Send
+
+from asgi_lifetime import (
+    Fingerprint,
+    LifetimeMiddleware,
+    LifetimeSettings,
+    RequestLifetime,
+    fingerprint,
+)
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+CHAT_BYTES = json.dumps(CHAT).encode()
+
+
+def settings(**changes: Any) -> LifetimeSettings:
+    return LifetimeSettings(paths=("/v1/",), admission_timeout=1.0, body_idle_timeout=5.0).replace(**changes)
+
+
+async def echo(request: Request) -> Response:
+    lifetime: RequestLifetime = request.state.lifetime
+    body = await request.body()
+    return JSONResponse(
+        {
+            "size": len(body),
+            "wire_hash": lifetime.fingerprint.wire_hash,
+            "text_comparable": lifetime.fingerprint.text_comparable,
+            "content_length": request.headers.get("content-length"),
+            "content_encoding": request.headers.get("content-encoding"),
+        }
+    )
+
+
+async def outside(request: Request) -> Response:
+    return JSONResponse({"has_lifetime": hasattr(request.state, "lifetime"), "size": len(await request.body())})
+
+
+def starlette_app(**changes: Any) -> Starlette:
+    routes = [Route("/v1/echo", echo, methods=["POST"]), Route("/other", outside, methods=["POST"])]
+    return Starlette(routes=routes, middleware=[Middleware(LifetimeMiddleware, settings=settings(**changes))])
+
+
+def client_for(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+
+
+@pytest.mark.anyio
+async def test_starlette_app_gets_fingerprint_and_body() -> None:
+    app = starlette_app()
+    async with client_for(app) as client:
+        response = await client.post("/v1/echo", content=CHAT_BYTES, headers={"content-type": "application/json"})
+    assert response.status_code == 200
+    expected = fingerprint(CHAT_BYTES)
+    assert response.json()["size"] == len(CHAT_BYTES)
+    assert response.json()["wire_hash"] == expected.wire_hash
+    assert response.json()["text_comparable"] is True
+    stats = app.state.lifetime.stats()
+    assert stats.admitted == 1 and stats.completed == 1 and stats.idle
+
+
+@pytest.mark.anyio
+async def test_fastapi_request_json_keeps_working() -> None:
+    app = FastAPI()
+    app.add_middleware(LifetimeMiddleware, settings=settings())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: FastAPIRequest) -> dict[str, Any]:
+        data = await request.json()
+        fp: Fingerprint = request.state.lifetime.fingerprint
+        return {"model": data["model"], "turns": len(data["messages"]), "size": fp.size}
+
+    async with client_for(app) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    assert response.json()["model"] == "m" and response.json()["turns"] == 1
+    assert response.json()["size"] > 0
+    assert app.state.lifetime.stats().idle
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_fastapi_with_testclient(backend: str) -> None:
+    app = FastAPI()
+    app.add_middleware(LifetimeMiddleware, settings=settings())
+
+    @app.post("/v1/items")
+    async def items(request: FastAPIRequest) -> dict[str, Any]:
+        return {"got": await request.json(), "comparable": request.state.lifetime.fingerprint.text_comparable}
+
+    with TestClient(app, backend=backend) as client:
+        response = client.post("/v1/items", json={"input": [{"type": "input_image", "image_url": "x"}]})
+        assert response.status_code == 200
+        assert response.json()["comparable"] is False
+        assert response.json()["got"]["input"][0]["type"] == "input_image"
+        assert app.state.lifetime.stats().idle
+
+
+@pytest.mark.anyio
+async def test_paths_outside_prefix_pass_through_untouched() -> None:
+    app = starlette_app()
+    async with client_for(app) as client:
+        response = await client.post("/other", content=b"x" * 100)
+    assert response.json() == {"has_lifetime": False, "size": 100}
+    assert app.state.lifetime.stats().admitted == 0
+
+
+@pytest.mark.anyio
+async def test_content_length_over_limit_is_413_before_reading() -> None:
+    app = starlette_app(max_body_bytes=1000, max_inflight_bytes=1000)
+    async with client_for(app) as client:
+        response = await client.post("/v1/echo", content=b"x" * 1001)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert set(response.json()["error"]) == {"type", "code", "message"}
+    stats = app.state.lifetime.stats()
+    assert stats.too_large == 1 and stats.admitted == 0 and stats.idle
+
+
+@pytest.mark.anyio
+async def test_gzip_body_is_decoded_for_the_inner_app() -> None:
+    app = starlette_app()
+    packed = gzip.compress(CHAT_BYTES)
+    async with client_for(app) as client:
+        response = await client.post("/v1/echo", content=packed, headers={"content-encoding": "gzip"})
+    data = response.json()
+    assert data["size"] == len(CHAT_BYTES)
+    assert data["content_length"] == str(len(CHAT_BYTES))
+    assert data["content_encoding"] is None
+    assert data["wire_hash"] == fingerprint(CHAT_BYTES).wire_hash
+
+
+@pytest.mark.anyio
+async def test_gzip_bomb_is_413() -> None:
+    # Driven at the ASGI level: httpx's ASGITransport leaves its request-body generator
+    # unfinalized under trio when the app answers before reading everything.
+    middleware = LifetimeMiddleware(body_app, settings=settings(max_body_bytes=64 * 1024, max_inflight_bytes=64 * 1024))
+    bomb = gzip.compress(b"\0" * (16 * 1024 * 1024))
+    out = Recorder()
+    headers = [(b"content-encoding", b"gzip"), (b"content-length", str(len(bomb)).encode())]
+    await middleware(http_scope(headers=headers), receiving([{"type": "http.request", "body": bomb}]), out)
+    assert out.status == 413
+    assert middleware.stats().too_large == 1 and middleware.stats().idle
+
+
+@pytest.mark.anyio
+async def test_admission_timeout_is_503_with_retry_after() -> None:
+    entered, leave = anyio.Event(), anyio.Event()
+
+    async def slow(request: Request) -> Response:
+        await request.body()
+        entered.set()
+        await leave.wait()
+        return Response("done")
+
+    app = Starlette(
+        routes=[Route("/v1/slow", slow, methods=["POST"])],
+        middleware=[Middleware(LifetimeMiddleware, settings=settings(max_inflight=1, admission_timeout=0.2))],
+    )
+    async with client_for(app) as client, anyio.create_task_group() as tg:
+        tg.start_soon(client.post, "/v1/slow")
+        with anyio.fail_after(5):
+            await entered.wait()
+        second = await client.post("/v1/slow", content=b"{}")
+        leave.set()
+    assert second.status_code == 503
+    assert second.headers["retry-after"] == "1"
+    assert second.json()["error"]["code"] == "overloaded"
+    stats = app.state.lifetime.stats()
+    assert stats.rejected == 1 and stats.idle
+
+
+# Raw ASGI drivers: the transport-level paths (disconnects, cancellation) are easier to
+# produce exactly without an HTTP client in between.
+
+
+def http_scope(path: str = "/v1/echo", headers: list[tuple[bytes, bytes]] | None = None) -> Scope:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers or [],
+        "server": ("testserver", 80),
+        "client": ("127.0.0.1", 1234),
+    }
+
+
+def receiving(messages: list[Message], then_block: bool = True) -> Receive:
+    queue = list(messages)
+
+    async def receive() -> Message:
+        if queue:
+            return queue.pop(0)
+        if then_block:
+            await anyio.sleep_forever()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+
+    async def __call__(self, message: Message) -> None:
+        self.messages.append(message)
+
+    @property
+    def status(self) -> int | None:
+        for message in self.messages:
+            if message["type"] == "http.response.start":
+                return int(message["status"])
+        return None
+
+
+async def body_app(scope: Scope, receive: Receive, send: Send) -> None:
+    assert scope["type"] == "http"
+    received = b""
+    while True:
+        message = await receive()
+        received += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": str(len(received)).encode()})
+
+
+@pytest.mark.anyio
+async def test_disconnect_mid_body_releases_slot_for_next_request() -> None:
+    middleware = LifetimeMiddleware(body_app, settings=settings(max_inflight=1, admission_timeout=0.5))
+    aborted = Recorder()
+    await middleware(
+        http_scope(),
+        receiving([{"type": "http.request", "body": b"part", "more_body": True}, {"type": "http.disconnect"}]),
+        aborted,
+    )
+    assert aborted.messages == []  # nothing is sent to a client that is gone
+    assert middleware.stats().aborted == 1
+    assert middleware.stats().inflight_requests == 0
+
+    ok = Recorder()
+    with anyio.fail_after(0.4):  # admitted at once, not after the admission timeout
+        await middleware(http_scope(), receiving([{"type": "http.request", "body": b"{}"}]), ok)
+    assert ok.status == 200
+    assert middleware.stats().idle
+
+
+@pytest.mark.anyio
+async def test_inner_app_exception_releases_everything() -> None:
+    async def broken(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        raise RuntimeError("boom")
+
+    middleware = LifetimeMiddleware(broken, settings=settings())
+    with pytest.raises(RuntimeError, match="boom"):
+        await middleware(http_scope(), receiving([{"type": "http.request", "body": CHAT_BYTES}]), Recorder())
+    assert middleware.stats().idle
+
+
+@pytest.mark.anyio
+async def test_cancellation_while_inner_app_runs_releases_everything() -> None:
+    started = anyio.Event()
+
+    async def hang(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        started.set()
+        await anyio.sleep_forever()
+
+    middleware = LifetimeMiddleware(hang, settings=settings())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(middleware, http_scope(), receiving([{"type": "http.request", "body": b"{}"}]), Recorder())
+        with anyio.fail_after(5):
+            await started.wait()
+        assert middleware.stats().inflight_requests == 1
+        tg.cancel_scope.cancel()
+    assert middleware.stats().idle
+
+
+@pytest.mark.anyio
+async def test_body_idle_timeout_is_408() -> None:
+    middleware = LifetimeMiddleware(body_app, settings=settings(body_idle_timeout=0.05))
+    out = Recorder()
+    await middleware(http_scope(), receiving([{"type": "http.request", "body": b"x", "more_body": True}]), out)
+    assert out.status == 408
+    assert middleware.stats().timed_out == 1 and middleware.stats().idle
+
+
+@pytest.mark.anyio
+async def test_middleware_keeps_no_reference_to_the_body_after_replay() -> None:
+    seen: dict[str, Any] = {}
+
+    async def inspect(scope: Scope, receive: Receive, send: Send) -> None:
+        message = await receive()
+        body = message["body"]
+        del message
+        gc.collect()
+        seen["referrers"] = [type(r).__name__ for r in gc.get_referrers(body)]
+        seen["refcount"] = sys.getrefcount(body)
+        seen["retained"] = scope["state"]["lifetime"].resources._counters.retained_input_bytes
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = LifetimeMiddleware(inspect, settings=settings())
+    await middleware(http_scope(), receiving([{"type": "http.request", "body": b"x" * 5000}]), Recorder())
+    # Only the inspecting frame's local refers to the body (plus getrefcount's argument):
+    # no _Replay, message dict, list or suspended middleware frame.
+    assert seen["referrers"] == []
+    assert seen["refcount"] == 2
+    assert seen["retained"] == 0
+
+
+@pytest.mark.anyio
+async def test_handoff_parsed_is_taken_once_and_dropped_at_settlement() -> None:
+    taken: list[Any] = []
+
+    async def take(scope: Scope, receive: Receive, send: Send) -> None:
+        lifetime: RequestLifetime = scope["state"]["lifetime"]
+        taken.append(lifetime.take_parsed())
+        with pytest.raises(LookupError):
+            lifetime.take_parsed()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = LifetimeMiddleware(take, settings=settings(), handoff_parsed=True)
+    await middleware(http_scope(), receiving([{"type": "http.request", "body": CHAT_BYTES}]), Recorder())
+    assert taken == [CHAT]
+    assert middleware.stats().idle
+
+    # Not taken: dropped when the request settles, and the gauge returns to zero.
+    kept: list[RequestLifetime] = []
+
+    async def ignore(scope: Scope, receive: Receive, send: Send) -> None:
+        kept.append(scope["state"]["lifetime"])
+        assert kept[0].resources._counters.retained_input_bytes > 0
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = LifetimeMiddleware(ignore, settings=settings(), handoff_parsed=True)
+    await middleware(http_scope(), receiving([{"type": "http.request", "body": CHAT_BYTES}]), Recorder())
+    with pytest.raises(LookupError):
+        kept[0].take_parsed()
+    assert middleware.stats().idle
+
+
+@pytest.mark.anyio
+async def test_without_handoff_nothing_is_parsed_for_the_app() -> None:
+    async def take(scope: Scope, receive: Receive, send: Send) -> None:
+        with pytest.raises(LookupError):
+            scope["state"]["lifetime"].take_parsed()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = LifetimeMiddleware(take, settings=settings())
+    out = Recorder()
+    await middleware(http_scope(), receiving([{"type": "http.request", "body": CHAT_BYTES}]), out)
+    assert out.status == 204
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("scope_type", ["lifespan", "websocket"])
+async def test_non_http_scopes_pass_through_untouched(scope_type: str) -> None:
+    seen: list[tuple[Scope, Receive, Send]] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append((scope, receive, send))
+
+    middleware = LifetimeMiddleware(app, settings=settings())
+    scope: Scope = {"type": scope_type, "path": "/v1/ws"}
+    receive, send = receiving([]), Recorder()
+    await middleware(scope, receive, send)
+    assert seen == [(scope, receive, send)]
+    assert middleware.stats().admitted == 0
+
+
+@pytest.mark.anyio
+async def test_settings_from_app_state_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    app = Starlette(routes=[Route("/v1/echo", echo, methods=["POST"])], middleware=[Middleware(LifetimeMiddleware)])
+    app.state.lifetime_settings = {"MAX_BODY_BYTES": "10", "MAX_INFLIGHT_BYTES": "10"}
+    async with client_for(app) as client:
+        assert (await client.post("/v1/echo", content=b"x" * 11)).status_code == 413
+    assert app.state.lifetime.settings.max_body_bytes == 10
+
+    monkeypatch.setenv("ASGI_LIFETIME_PATHS", "/api/")
+    monkeypatch.chdir(anyio.Path(__file__).parent)  # no .env here
+    env_app = Starlette(
+        routes=[Route("/api/echo", echo, methods=["POST"])], middleware=[Middleware(LifetimeMiddleware)]
+    )
+    async with client_for(env_app) as client:
+        response = await client.post("/api/echo", content=CHAT_BYTES)
+    assert response.status_code == 200 and response.json()["text_comparable"] is True
+    assert env_app.state.lifetime.settings.paths == ("/api/",)
+
+
+@pytest.mark.anyio
+async def test_bad_content_length_is_400() -> None:
+    middleware = LifetimeMiddleware(body_app, settings=settings())
+    out = Recorder()
+    await middleware(http_scope(headers=[(b"content-length", b"-5")]), receiving([]), out)
+    assert out.status == 400
+    assert json.loads(out.messages[1]["body"])["error"]["code"] == "invalid_content_length"
+    assert middleware.stats().idle
+
+
+def _random_case(rng: random.Random) -> tuple[str, list[Message]]:
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * rng.randint(0, 3000)}]}).encode()
+    kind = rng.choice(["ok", "ok", "abort", "too_large", "idle", "app_error", "cancel"])
+    if kind == "abort":
+        return kind, [{"type": "http.request", "body": body[:10], "more_body": True}, {"type": "http.disconnect"}]
+    if kind == "too_large":
+        return kind, [{"type": "http.request", "body": b"x" * 5000, "more_body": False}]
+    if kind == "idle":
+        return kind, [{"type": "http.request", "body": body[:5], "more_body": True}]
+    chunks = [body[i : i + 700] for i in range(0, len(body), 700)]
+    messages: list[Message] = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    messages[-1]["more_body"] = False
+    return kind, messages
+
+
+@pytest.mark.anyio
+async def test_two_hundred_requests_with_random_failures_leave_nothing_held() -> None:
+    rng = random.Random(20261202)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["path"].rsplit("/", 1)[1]
+        if kind == "ok":
+            await body_app(scope, receive, send)
+            return
+        await receive()
+        if kind == "app_error":
+            raise ValueError("inner failure")
+        await anyio.sleep_forever()  # "cancel": cancelled from outside below
+
+    middleware = LifetimeMiddleware(
+        app,
+        settings=settings(max_inflight=8, max_body_bytes=4000, max_inflight_bytes=16_000, body_idle_timeout=0.05),
+    )
+    kinds: list[str] = []
+    statuses: dict[str, list[int | None]] = {}
+
+    async def one(kind: str, messages: list[Message]) -> None:
+        out = Recorder()
+        with anyio.move_on_after(0.2 if kind == "cancel" else 10):
+            try:
+                await middleware(http_scope(f"/v1/{kind}"), receiving(messages), out)
+            except ValueError:
+                assert kind == "app_error"
+        statuses.setdefault(kind, []).append(out.status)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(200):
+            kind, messages = _random_case(rng)
+            kinds.append(kind)
+            tg.start_soon(one, kind, messages)
+    stats = middleware.stats()
+    assert sum(len(v) for v in statuses.values()) == 200
+    assert stats.inflight_requests == 0 and stats.inflight_bytes == 0
+    assert stats.retained_input_bytes == 0 and stats.live_resources == 0
+    assert stats.aborted == kinds.count("abort") > 0
+    assert stats.too_large == kinds.count("too_large") > 0
+    assert stats.timed_out == kinds.count("idle") > 0
+    assert stats.completed == kinds.count("ok") > 0
+    assert set(statuses["ok"]) == {200} and set(statuses["too_large"]) == {413} and set(statuses["idle"]) == {408}
+    assert set(statuses["abort"]) == {None}
