@@ -1,0 +1,462 @@
+"""Stage forward: send a ``Prepared`` request upstream, retry, settle, hand back the response.
+
+One retry loop covers every kind of second attempt: transport failures and 429/502/503/504
+(backoff with full jitter, honouring ``Retry-After``), context overflows (refold, no
+backoff) and rejected roles (rename, no backoff). All count against ``max_attempts`` and
+the ``retry_deadline``. When the loop ends, however it ends, the request settles:
+``Prepared.settle`` drops the refold/remap closures (and the body unless retained), then
+``on_retries_settled`` runs, before the first response byte can be streamed::
+
+    async with UpstreamClient(settings=settings) as upstream:
+        response = await upstream.forward(prepared, on_retries_settled=release_input)
+        try:
+            async for chunk in response.aiter_raw(): ...
+        finally:
+            await response.aclose()
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import timezone
+from types import TracebackType
+from typing import Literal
+
+import anyio
+import httpx
+
+from ._exceptions import UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from ._pool import UpstreamPool
+from ._prepare import Prepared
+from ._refold import match_overflow, match_rejected_role
+from ._settings import LifetimeSettings
+from ._stats import Counters
+
+__all__ = ["AttemptEvent", "UpstreamClient"]
+
+logger = logging.getLogger(__name__)
+
+_RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# Set from the URL and the body on every attempt; never taken from the client's request.
+_OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding"})
+# A replayed error body is decoded and complete: its framing and encoding headers no longer apply.
+_REPLAY_DROPPED = frozenset({"content-length", "content-encoding", "transfer-encoding"})
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptEvent:
+    """What happened to an attempt, for logging, metrics or a demo display."""
+
+    kind: Literal["retry", "refold", "role", "settled"]
+    attempt: int
+    status: int | None
+    reason: str
+    delay: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """A transport failure before response headers; strings only, so no traceback is kept alive."""
+
+    timeout: bool
+    reason: str
+
+    def error(self, attempts: int) -> UpstreamError:
+        tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+        if self.timeout:
+            return UpstreamTimeout(f"upstream did not answer in time ({self.reason}) after {tries}")
+        return UpstreamUnreachable(f"upstream unreachable ({self.reason}) after {tries}")
+
+
+class _BodyIterator:
+    __slots__ = ("_holder", "_done")
+
+    def __init__(self, holder: Prepared) -> None:
+        self._holder = holder
+        self._done = False
+
+    def __aiter__(self) -> _BodyIterator:
+        return self
+
+    async def __anext__(self) -> bytes:
+        body = None if self._done else self._holder.body
+        self._done = True
+        if not body:
+            raise StopAsyncIteration
+        return body
+
+
+class _BodyStream(httpx.AsyncByteStream):
+    """Reads the body from the ``Prepared`` holder when sent, so the ``httpx.Request`` never owns it."""
+
+    def __init__(self, holder: Prepared) -> None:
+        self._holder = holder
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _BodyIterator(self._holder)
+
+
+class _Tracked(httpx.AsyncByteStream):
+    """An upstream response body that gives back its upstream's in-flight count when closed."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, release: Callable[[], None]) -> None:
+        self._stream = stream
+        self._release = release
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._stream.__aiter__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._stream.aclose()
+        finally:
+            self._release()
+
+
+class _Run:
+    """Attempt count of one ``forward`` call."""
+
+    __slots__ = ("attempts",)
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+
+def _join(base: str, path: str) -> str:
+    return base[:-1] + path if base.endswith("/") and path.startswith("/") else base + path
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delay-seconds or HTTP date), ``None`` if absent or invalid."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # "-0000": HTTP dates are always GMT
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _replay(response: httpx.Response, captured: bytes) -> httpx.Response:
+    """The upstream's error as the client should get it: its status, headers and (capped) body."""
+    headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _REPLAY_DROPPED]
+    ours = {k: v for k, v in response.extensions.items() if k.startswith("asgi_lifetime.")}
+    return httpx.Response(
+        response.status_code, headers=headers, content=captured, request=response.request, extensions=ours
+    )
+
+
+class UpstreamClient:
+    """Forwards prepared requests to one or several upstream base URLs.
+
+    ```python
+    async with UpstreamClient(settings=settings, base_url="http://127.0.0.1:8000") as upstream:
+        response = await upstream.forward(prepared, on_retries_settled=drop_request_input)
+    ```
+
+    Without ``client`` an ``httpx.AsyncClient`` is created (over ``transport`` if given)
+    and closed by ``aclose()``; a client passed in is used as it is and left open.
+    """
+
+    def __init__(
+        self,
+        *,
+        settings: LifetimeSettings,
+        base_url: str | Sequence[str] | None = None,
+        client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        counters: Counters | None = None,
+        listener: Callable[[AttemptEvent], None] | None = None,
+    ) -> None:
+        if client is not None and transport is not None:
+            raise ValueError("pass either client= or transport=, not both")
+        urls = (base_url,) if isinstance(base_url, str) else tuple(base_url or settings.upstream_url)
+        if not urls and client is not None and str(client.base_url):
+            urls = (str(client.base_url),)
+        if not urls:
+            raise ValueError("no upstream: pass base_url= or set ASGI_LIFETIME_UPSTREAM_URL")
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"base_url={bad[0]!r} is invalid: must be an http:// or https:// URL")
+        self._settings = settings
+        self._base_urls = urls
+        self._pool = UpstreamPool(urls, cooloff=settings.upstream_cooloff)
+        self._owns_client = client is None
+        if client is None:
+            # No read timeout: the headers wait is bounded below, the body by the relay's stall guard.
+            timeout = httpx.Timeout(
+                connect=settings.connect_timeout,
+                read=None,
+                write=settings.headers_timeout,
+                pool=settings.connect_timeout,
+            )
+            limits = httpx.Limits(
+                max_connections=settings.max_inflight, max_keepalive_connections=settings.max_inflight
+            )
+            client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+        self._client = client
+        self._counters = counters if counters is not None else Counters()
+        self._listener = listener
+        # Seams for tests: how to wait, what time it is, where jitter comes from.
+        self._sleep: Callable[[float], Awaitable[None]] = anyio.sleep
+        self._clock: Callable[[], float] = anyio.current_time
+        self._random = random.Random()
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> UpstreamClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def _choose(self, session_id: str | None, failed: frozenset[str]) -> str:
+        """The base URL for the next attempt: the session's upstream (or the least busy one),
+        skipping upstreams that failed this request or are cooling off after failed connects."""
+        return self._pool.choose(session_id, exclude=failed)
+
+    def describe(self) -> list[dict[str, object]]:
+        """The upstreams' state (in flight, cooling off, totals), for stats and metrics."""
+        now = time.monotonic()
+        return [
+            {
+                "url": state.url,
+                "inflight": state.inflight,
+                "down_for": None if state.down_until is None else max(0.0, state.down_until - now),
+                "requests": state.total_requests,
+                "failures": state.failures,
+            }
+            for state in self._pool.snapshot()
+        ]
+
+    async def reissue(self, prepared: Prepared, *, session_id: str | None = None) -> httpx.Response | None:
+        """One blind re-issue of the retained outbound body (after a starved stream).
+
+        Returns the new open response, or None if the body was released or the attempt failed.
+        """
+        if prepared.body is None:
+            return None
+        outcome = await self._send(prepared, self._choose(session_id, frozenset()))
+        if isinstance(outcome, _Failure):
+            return None
+        if outcome.status_code >= 400:
+            await outcome.aclose()
+            return None
+        self._counters.retried += 1
+        self._emit(AttemptEvent("retry", 1, outcome.status_code, "re-issued after the upstream produced no output"))
+        return outcome
+
+    async def forward(
+        self, prepared: Prepared, *, on_retries_settled: Callable[[], None], session_id: str | None = None
+    ) -> httpx.Response:
+        """Send ``prepared`` until an outcome is final; return the (open) response to stream.
+
+        ``on_retries_settled`` runs exactly once, after ``prepared.settle()``, whether this
+        returns, raises or is cancelled. Exhausted transport failures raise
+        ``UpstreamUnreachable`` or ``UpstreamTimeout``; an exhausted retryable status is returned.
+        The response's ``extensions`` carry ``"asgi_lifetime.attempts"`` and, when it came from
+        the network, ``"asgi_lifetime.upstream"`` (the base URL that answered).
+        """
+        if prepared.settled:
+            raise RuntimeError("this request was already forwarded (its Prepared is settled)")
+        run = _Run()
+        response: httpx.Response | None = None
+        try:
+            response = await self._attempts(prepared, session_id, run)
+        finally:
+            try:
+                prepared.settle(retain_outbound=self._settings.retain_outbound)
+                on_retries_settled()
+            except BaseException:
+                if response is not None:
+                    with anyio.CancelScope(shield=True):
+                        await response.aclose()
+                raise
+            status = response.status_code if response is not None else None
+            self._emit(AttemptEvent("settled", run.attempts, status, f"status {status}" if status else "no response"))
+        response.extensions["asgi_lifetime.attempts"] = run.attempts
+        return response
+
+    async def _attempts(self, prepared: Prepared, session_id: str | None, run: _Run) -> httpx.Response:
+        settings = self._settings
+        deadline = self._clock() + settings.retry_deadline
+        failed: set[str] = set()
+        backoffs = 0
+        roles_tried: set[str] = set()
+        while True:
+            run.attempts += 1
+            base = self._choose(session_id, frozenset(failed))
+            outcome = await self._send(prepared, base)
+            more = run.attempts < settings.max_attempts
+            if isinstance(outcome, _Failure):
+                failed.add(base)
+                delay = self._backoff(backoffs, None)
+                if not (more and self._clock() + delay <= deadline):
+                    raise outcome.error(run.attempts) from None
+                await self._pause(run.attempts, None, outcome.reason, delay)
+                backoffs += 1
+                continue
+            response = outcome
+            keep = False
+            try:
+                status = response.status_code
+                if status in _RETRY_STATUSES:
+                    failed.add(base)
+                    delay = self._backoff(backoffs, response.headers.get("retry-after"))
+                    if not (more and self._clock() + delay <= deadline):
+                        keep = True
+                        return response
+                    await response.aclose()  # before sleeping: the connection goes back to the pool
+                    await self._pause(run.attempts, status, f"status {status}", delay)
+                    backoffs += 1
+                    continue
+                if not (status in (400, 413) and prepared.refold) and not (status == 400 and prepared.remap_role):
+                    keep = True
+                    return response
+                captured = await self._read_error(response)
+                await response.aclose()
+                more = more and self._clock() < deadline
+                overflow = match_overflow(status, captured) if prepared.refold else None
+                if overflow is not None:
+                    if more and self._refold(prepared, overflow.window, run.attempts, status):
+                        continue
+                elif prepared.remap_role is not None:
+                    rejected = match_rejected_role(status, captured)
+                    if rejected is not None and more and self._remap(prepared, rejected, roles_tried, run.attempts):
+                        continue
+                keep = True
+                return _replay(response, captured)
+            finally:
+                if not keep:
+                    with anyio.CancelScope(shield=True):
+                        await response.aclose()
+
+    async def _send(self, prepared: Prepared, base: str) -> httpx.Response | _Failure:
+        """One attempt up to the response headers."""
+        request = self._build(prepared, base)
+        release = self._pool.acquire(base)
+        try:
+            with anyio.fail_after(self._settings.headers_timeout):
+                response = await self._client.send(request, stream=True)
+        except TimeoutError:
+            release()
+            return _Failure(timeout=True, reason=f"no response headers within {self._settings.headers_timeout:g}s")
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            release()
+            self._pool.mark_down(base)  # its sessions fail over until the cool-off ends
+            return _Failure(timeout=isinstance(exc, httpx.TimeoutException), reason=type(exc).__name__)
+        except httpx.TimeoutException as exc:
+            release()
+            return _Failure(timeout=True, reason=type(exc).__name__)
+        except httpx.TransportError as exc:
+            release()
+            return _Failure(timeout=False, reason=type(exc).__name__)
+        except BaseException:
+            release()
+            raise
+        self._pool.mark_up(base)
+        if response.is_closed:  # already complete (e.g. an in-memory transport): nothing in flight
+            release()
+        else:
+            response.stream = _Tracked(response.stream, release)  # type: ignore[arg-type]
+        response.extensions["asgi_lifetime.upstream"] = base
+        return response
+
+    def _build(self, prepared: Prepared, base: str) -> httpx.Request:
+        url = httpx.URL(_join(base, prepared.path))
+        outbound = [(k, v) for k, v in prepared.headers if k.lower() not in _OWN_HEADERS]
+        named = {k.lower() for k, _ in outbound} | _OWN_HEADERS
+        defaults = [(k, v) for k, v in self._client.headers.multi_items() if k.lower() not in named]
+        headers = [("Host", url.netloc.decode("ascii")), *defaults, *outbound]
+        if prepared.body is not None:
+            headers.append(("Content-Length", str(len(prepared.body))))
+        return httpx.Request(prepared.method, url, headers=headers, stream=_BodyStream(prepared))
+
+    def _backoff(self, retries: int, retry_after: str | None) -> float:
+        """Full jitter over an exponential ceiling, or the upstream's ``Retry-After`` if longer (capped)."""
+        settings = self._settings
+        delay = self._random.uniform(0, min(settings.backoff_max, settings.backoff_base * 2**retries))
+        asked = _retry_after(retry_after)
+        if asked is not None:
+            delay = max(delay, min(asked, settings.retry_after_cap))
+        return delay
+
+    async def _read_error(self, response: httpx.Response) -> bytes:
+        """Up to ``error_body_limit`` bytes of an error body (decoded), then the response is closed.
+
+        The loop is not left with ``break``: that would abandon httpx's chain of stream
+        generators half-way (trio warns about each). Closing the response instead makes the
+        transport end the chain, and nothing past the limit is kept.
+        """
+        limit = self._settings.error_body_limit
+        captured = bytearray()
+        stopped = False
+        with anyio.move_on_after(self._settings.headers_timeout):
+            try:
+                async for chunk in response.aiter_bytes():
+                    captured += chunk[: limit - len(captured)]
+                    if len(captured) >= limit and not stopped:
+                        stopped = True
+                        await response.aclose()
+            except httpx.HTTPError:
+                pass  # the body broke off: what arrived is the upstream's answer
+            except Exception:
+                if not stopped:
+                    raise
+                # Reading on after the close: however the transport reports it, we are done.
+        await response.aclose()
+        return bytes(captured)
+
+    def _refold(self, prepared: Prepared, window: int | None, attempt: int, status: int) -> bool:
+        body = prepared.refold(window) if prepared.refold is not None else None
+        if body is None or body == prepared.body:
+            return False
+        prepared.body = body
+        self._counters.refolded += 1
+        self._emit(AttemptEvent("refold", attempt, status, f"context overflow, window {window}"))
+        return True
+
+    def _remap(self, prepared: Prepared, rejected: str, tried: set[str], attempt: int) -> bool:
+        # The ladder: an instruction role the upstream rejects moves to system, then to user.
+        if rejected == "developer" and "system" not in tried:
+            target = "system"
+        elif rejected in ("developer", "system") and "user" not in tried:
+            target = "user"
+        else:
+            return False
+        tried.add(target)
+        body = prepared.remap_role(rejected, target) if prepared.remap_role is not None else None
+        if body is None or body == prepared.body:
+            return False
+        prepared.body = body
+        self._emit(AttemptEvent("role", attempt, 400, f"role {rejected!r} rejected, sent as {target!r}"))
+        return True
+
+    async def _pause(self, attempt: int, status: int | None, reason: str, delay: float) -> None:
+        self._counters.retried += 1
+        logger.info("upstream attempt %d failed (%s); retrying in %.2fs", attempt, reason, delay)
+        self._emit(AttemptEvent("retry", attempt, status, reason, delay))
+        await self._sleep(delay)
+
+    def _emit(self, event: AttemptEvent) -> None:
+        if self._listener is None:
+            return
+        try:
+            self._listener(event)
+        except Exception:
+            logger.exception("attempt listener failed")
