@@ -9,9 +9,11 @@ timeout, disconnect and cancellation alike. Nothing waits for process shutdown.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
+from typing import Any
 
 import anyio
 
@@ -46,21 +48,44 @@ class Resource:
 
     async def release(self) -> None:
         """Release now (idempotent). Never raises: a failing release is logged."""
+        result = self._call()
+        if result is not None:
+            try:
+                with anyio.move_on_after(_ASYNC_RELEASE_TIMEOUT, shield=True):
+                    await result
+            except Exception:
+                logger.exception("releasing a request resource failed")
+
+    def release_now(self) -> None:
+        """Release from synchronous code (idempotent); for resources with a sync release callable."""
+        result = self._call()
+        if result is not None:
+            result.close()
+            logger.error("release_now() used on a resource whose release is async; it was not awaited")
+
+    def _call(self) -> Coroutine[Any, Any, object] | None:
         release, self._release = self._release, None
         if release is None:
-            return
+            return None
         setattr(self._counters, self._gauge, getattr(self._counters, self._gauge) - self._amount)
         try:
             result = release()
-            if isinstance(result, Awaitable):
-                with anyio.move_on_after(_ASYNC_RELEASE_TIMEOUT, shield=True):
-                    await result
         except Exception:
             logger.exception("releasing a request resource failed")
+            return None
+        if inspect.iscoroutine(result):
+            return result
+        if isinstance(result, Awaitable):
+            return _await(result)
+        return None
 
 
 def _noop() -> None:
     return None
+
+
+async def _await(awaitable: Awaitable[object]) -> object:
+    return await awaitable
 
 
 class RequestScope:
