@@ -1,0 +1,560 @@
+"""Relay an open upstream response to an ASGI client, with stall and starvation guards.
+
+``relay`` streams ``response.aiter_raw()`` (encoded bytes pass through untouched) one chunk
+at a time: it awaits ``send`` for each chunk before reading the next, so a slow client slows
+the upstream read instead of filling a buffer. ``http.response.start`` goes out lazily, so
+anything that fails before the first byte becomes a proper JSON error response::
+
+    response = await client.send(request, stream=True)
+    result = await relay(response, send=send, receive=receive, stall_timeout=120, keepalive_interval=15)
+
+Guards, for ``text/event-stream`` without a ``content-encoding`` (an *in-band* stream):
+
+- keep-alive comments while the upstream is quiet, an ``event: error`` when it stalls;
+- starvation: a stream that ends without a terminal event, or with nothing to show for
+  it (see ``SSETracker.starved``), is re-issued once via ``reissue`` if the client has seen
+  no content yet, and otherwise ends with an ``upstream_starved`` error event.
+
+Other streams only get the stall guard (the body just ends). The upstream response is
+closed whatever happens, cancellation included.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import httpx
+from starlette.types import Message, Receive, Send
+
+from ._exceptions import LifetimeError, StarvationError, UpstreamError, UpstreamStalled, UpstreamTimeout
+from ._json import JSONDecodeFailure, loads
+from ._sse import SSETracker, classify, sse_event
+from ._stats import Counters
+
+__all__ = ["HOP_BY_HOP", "Outcome", "RelayResult", "collect_text", "filter_headers", "relay"]
+
+logger = logging.getLogger(__name__)
+
+Outcome = Literal["complete", "client_disconnected", "stalled", "starved", "upstream_error"]
+
+HOP_BY_HOP: frozenset[str] = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",  # not in RFC 9110, but sent by old clients; Go's reverse proxy drops it too
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_HOP_BY_HOP_RAW = frozenset(name.encode() for name in HOP_BY_HOP)
+
+# Bounded time for closing an upstream response, even when the caller is being cancelled.
+_CLOSE_TIMEOUT = 5.0
+# Bytes held back after a terminal event that would count as starvation (see _Relay._on_chunk).
+_HOLD_LIMIT = 64 * 1024
+_COLLECT_LIMIT = 64 * 1024 * 1024
+_CLIENT_DISCONNECTED_STATUS = 499
+
+
+@dataclass(slots=True)
+class RelayResult:
+    """How a relay ended.
+
+    ``status`` is the status sent to the client (499 if it left before anything was sent);
+    ``bytes_out`` counts body bytes sent, keep-alives and error bodies included;
+    ``first_byte_at`` is the ``time.monotonic()`` of the first upstream byte.
+    """
+
+    status: int
+    bytes_out: int
+    first_byte_at: float | None
+    outcome: Outcome
+    reissued: bool
+
+
+def filter_headers(headers: Iterable[tuple[bytes, bytes]] | httpx.Headers) -> list[tuple[bytes, bytes]]:
+    """Drop hop-by-hop headers (``HOP_BY_HOP`` and any named in ``Connection``); names come back lower-case.
+
+    Works in both directions: ASGI ``scope["headers"]`` or an ``httpx.Headers``.
+    """
+    raw = headers.raw if isinstance(headers, httpx.Headers) else headers
+    pairs = [(bytes(name).lower(), bytes(value)) for name, value in raw]
+    drop = set(_HOP_BY_HOP_RAW)
+    for name, value in pairs:
+        if name == b"connection":
+            drop.update(token.strip().lower() for token in value.split(b","))
+    return [(name, value) for name, value in pairs if name not in drop]
+
+
+def _is_sse(response: httpx.Response) -> bool:
+    content_type: str = response.headers.get("content-type", "")
+    return content_type.partition(";")[0].strip().lower() == "text/event-stream"
+
+
+def _is_encoded(response: httpx.Response) -> bool:
+    encoding: str = response.headers.get("content-encoding", "")
+    return encoding.strip().lower() not in ("", "identity")
+
+
+async def _close(response: httpx.Response) -> None:
+    """Close ``response`` within a bounded time, even inside a cancelled scope; never raises."""
+    with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+        try:
+            await response.aclose()
+        except Exception:  # a failing close must not mask how the relay ended
+            logger.debug("closing the upstream response failed", exc_info=True)
+
+
+async def _aclose_iterator(iterator: AsyncIterator[bytes]) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+            try:
+                await aclose()
+            except Exception:
+                logger.debug("closing the upstream iterator failed", exc_info=True)
+
+
+class _ClientGone(Exception):
+    """``send`` raised OSError: the client connection is gone."""
+
+
+class _Stalled(Exception):
+    pass
+
+
+class _Relay:
+    """Per-call state of one ``relay``; nothing here outlives the call."""
+
+    def __init__(
+        self,
+        *,
+        send: Send,
+        stall_timeout: float,
+        keepalive_interval: float,
+        reissue: Callable[[], Awaitable[httpx.Response | None]] | None,
+        counters: Counters | None,
+        on_first_byte: Callable[[], None] | None,
+    ) -> None:
+        self.send = send
+        self.stall_timeout = stall_timeout
+        self.keepalive_interval = keepalive_interval
+        self.reissue = reissue
+        self.counters = counters
+        self.on_first_byte = on_first_byte
+        self.lock = anyio.Lock()
+        self.responses: list[httpx.Response] = []
+        self.started = False
+        self.status = 0
+        self.bytes_out = 0
+        self.first_byte_at: float | None = None
+        self.reissued = False
+        self.disconnected = False
+        # The response being relayed.
+        self.start: Message | None = None
+        self.inband = False
+        self.tracker: SSETracker | None = None
+        self.guarded = False  # in-band and 2xx: the starvation guard applies
+        self.hold_ok = False
+        self.held: list[bytes] = []
+        self.held_size = 0
+        self.held_prefix = b""
+        # Keep-alive bookkeeping: is the main task waiting on the upstream, and when did the client last get bytes.
+        self.waiting = False
+        self.last_sent = anyio.current_time()
+        self.helper_error: Exception | None = None
+
+    async def run(self, response: httpx.Response, receive: Receive) -> RelayResult:
+        self.responses.append(response)
+        outcome: Outcome = "client_disconnected"
+        error: Exception | None = None
+        try:
+            self._use(response)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
+                if self.inband:
+                    tg.start_soon(self._keepalives, tg.cancel_scope)
+                try:
+                    outcome = await self._relay(response)
+                except Exception as exc:  # re-raised below, unwrapped from the task group's ExceptionGroup
+                    error = exc
+                tg.cancel_scope.cancel()
+            if error is None and self.helper_error is not None:
+                error = self.helper_error
+            if isinstance(error, _ClientGone):
+                error, self.disconnected = None, True
+            if error is not None:
+                raise error
+        finally:
+            error = None
+            for upstream in self.responses:
+                await _close(upstream)
+            self.responses.clear()
+            self.held.clear()
+        if self.disconnected:
+            outcome = "client_disconnected"
+        status = self.status or _CLIENT_DISCONNECTED_STATUS
+        return RelayResult(status, self.bytes_out, self.first_byte_at, outcome, self.reissued)
+
+    # -- helper tasks ---------------------------------------------------------------------------
+
+    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self.disconnected = True
+                    scope.cancel()
+                    return
+                # Anything else (a late http.request) is of no interest while relaying.
+        except Exception:
+            logger.debug("receive() failed while watching for a disconnect", exc_info=True)
+
+    async def _keepalives(self, scope: anyio.CancelScope) -> None:
+        """While the upstream is quiet, send a keep-alive every ``keepalive_interval`` of client silence."""
+        try:
+            while True:
+                delay = self.last_sent + self.keepalive_interval - anyio.current_time()
+                if delay > 0:
+                    await anyio.sleep(delay)
+                    continue
+                async with self.lock:
+                    # Checked under the lock: the main task feeds the tracker and sends under it too.
+                    keepalive = None
+                    if self.waiting and self.inband and self.tracker is not None and not self.held:
+                        keepalive = self.tracker.parser.keepalive_bytes()
+                    if keepalive is not None:
+                        await self._send_body(keepalive)
+                        continue
+                # Not safe now (client busy, mid-line): look again after another interval.
+                await anyio.sleep(self.keepalive_interval)
+        except Exception as exc:
+            self.helper_error = exc
+            scope.cancel()
+
+    # -- relaying -------------------------------------------------------------------------------
+
+    def _use(self, response: httpx.Response) -> None:
+        """Make ``response`` the one being relayed. Its status/headers are used only if nothing was sent."""
+        if not self.started:
+            sse = _is_sse(response)
+            self.inband = sse and not _is_encoded(response)
+            headers = filter_headers(response.headers)
+            if sse:  # keep-alives and error events change the length
+                headers = [(name, value) for name, value in headers if name != b"content-length"]
+            self.start = {"type": "http.response.start", "status": response.status_code, "headers": headers}
+        self.tracker = SSETracker() if self.inband else None
+        self.guarded = self.hold_ok = self.inband and 200 <= response.status_code < 300
+        self.held.clear()
+        self.held_size = 0
+
+    async def _relay(self, response: httpx.Response) -> Outcome:
+        while True:
+            try:
+                await self._pump(response)
+            except _Stalled:
+                if self.counters is not None:
+                    self.counters.stalled += 1
+                logger.warning("upstream stalled: no data for %gs", self.stall_timeout)
+                await self._fail(UpstreamStalled(f"the upstream sent no data for {self.stall_timeout:g} seconds"))
+                return "stalled"
+            except httpx.ReadTimeout:
+                await self._fail(UpstreamTimeout("the upstream read timed out"))
+                return "upstream_error"
+            except httpx.TransportError as exc:
+                logger.warning("upstream read failed: %s", type(exc).__name__)
+                await self._fail(
+                    UpstreamError(f"the upstream connection failed while sending the response ({type(exc).__name__})")
+                )
+                return "upstream_error"
+
+            tracker = self.tracker
+            if tracker is None or not self.guarded or not tracker.starved:
+                async with self.lock:
+                    await self._flush_held()
+                    await self._send_body(b"", more_body=False)
+                return "upstream_error" if tracker is not None and tracker.saw_error else "complete"
+
+            if self.counters is not None:
+                self.counters.starved += 1
+            logger.warning(
+                "upstream starved: terminal=%s content=%s malformed=%s",
+                tracker.saw_terminal,
+                tracker.saw_content,
+                tracker.malformed,
+            )
+            if tracker.saw_content:
+                message = "the upstream stream ended without a terminal event; the output may be incomplete"
+            else:
+                message = "the upstream produced no output"
+            if not tracker.saw_content and self.reissue is not None and not self.reissued:
+                next_response = await self._reissue(response, self.reissue)
+                if next_response is not None:
+                    response = next_response
+                    continue
+            await self._fail(StarvationError(message))
+            return "starved"
+
+    async def _reissue(
+        self, response: httpx.Response, reissue: Callable[[], Awaitable[httpx.Response | None]]
+    ) -> httpx.Response | None:
+        """Re-issue once; return the response to continue with, or None."""
+        self.reissued = True
+        await _close(response)
+        async with self.lock:
+            # Drop held bytes and end whatever event the starved stream left open; the client's
+            # parser is then at an event boundary, which a fresh tracker describes.
+            prefix = self._resync_prefix()
+            if prefix and self.started:
+                await self._send_body(prefix)
+            self.tracker = SSETracker()
+        self.waiting = True  # keep-alives continue while the new request is under way
+        try:
+            new = await reissue()
+        except (LifetimeError, httpx.HTTPError) as exc:
+            logger.warning("re-issue after starvation failed: %s", type(exc).__name__)
+            return None
+        finally:
+            self.waiting = False
+        if new is None:
+            return None
+        self.responses.append(new)
+        if self.started and not (200 <= new.status_code < 300 and _is_sse(new) and not _is_encoded(new)):
+            # The client already has a 200 event stream; this response cannot continue it.
+            logger.warning("re-issued response cannot continue the stream (status %s)", new.status_code)
+            await _close(new)
+            return None
+        self._use(new)
+        return new
+
+    async def _pump(self, response: httpx.Response) -> None:
+        """Relay ``response``'s bytes until it ends; raises ``_Stalled`` or the httpx error that ended it."""
+        iterator = response.aiter_raw()
+        try:
+            while True:
+                self.waiting = True
+                with anyio.move_on_after(self.stall_timeout) as scope:
+                    try:
+                        chunk = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        self.waiting = False
+                if scope.cancelled_caught:
+                    raise _Stalled
+                if not chunk:
+                    continue
+                if self.first_byte_at is None:
+                    self.first_byte_at = time.monotonic()
+                    if self.on_first_byte is not None:
+                        self.on_first_byte()
+                async with self.lock:
+                    await self._on_chunk(chunk)
+                del chunk  # hold no chunk while waiting for the next one
+        finally:
+            self.waiting = False
+            await _aclose_iterator(iterator)
+
+    async def _on_chunk(self, chunk: bytes) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            await self._send_body(chunk)
+            return
+        armed = self.hold_ok and not tracker.saw_content
+        prefix = tracker.parser.resync_prefix() if armed and not self.held else b""
+        tracker.feed(chunk)
+        if armed and not tracker.saw_content and (self.held or (tracker.saw_terminal and tracker.starved)):
+            # A terminal event with no content and no natural stop: if the stream ends like this
+            # it starved, and the client must get the error event (or the re-issued stream), not
+            # this terminal. Hold it back until the stream ends; bounded.
+            if self.held_size + len(chunk) <= _HOLD_LIMIT:
+                if not self.held:
+                    self.held_prefix = prefix
+                self.held.append(chunk)
+                self.held_size += len(chunk)
+                return
+            self.hold_ok = False
+        await self._flush_held()
+        await self._send_body(chunk)
+
+    async def _flush_held(self) -> None:
+        held, self.held = self.held, []
+        self.held_size = 0
+        for chunk in held:
+            await self._send_body(chunk)
+
+    def _resync_prefix(self) -> bytes:
+        """Bytes that end whatever event the client's parser is inside, discarding held bytes."""
+        if self.held:
+            self.held.clear()
+            self.held_size = 0
+            return self.held_prefix
+        if self.tracker is not None:
+            return self.tracker.parser.resync_prefix()
+        return b"\n\n"
+
+    async def _fail(self, exc: LifetimeError) -> None:
+        """End the client response because of ``exc``: a JSON error if nothing was sent yet."""
+        async with self.lock:
+            if not self.started:
+                body = exc.json_body()
+                headers = [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    *((name.lower().encode(), value.encode()) for name, value in exc.headers.items()),
+                ]
+                self.start = {"type": "http.response.start", "status": exc.status_code, "headers": headers}
+                self.held.clear()
+                await self._send_body(body, more_body=False)
+            elif self.inband:
+                await self._send_body(self._resync_prefix() + sse_event("error", exc.to_dict()), more_body=False)
+            else:
+                await self._send_body(b"", more_body=False)
+
+    async def _send_body(self, body: bytes, *, more_body: bool = True) -> None:
+        if not self.started and self.start is not None:
+            start, self.start = self.start, None
+            self.started = True
+            self.status = start["status"]
+            await self._send(start)
+        await self._send({"type": "http.response.body", "body": body, "more_body": more_body})
+        self.bytes_out += len(body)
+        self.last_sent = anyio.current_time()
+
+    async def _send(self, message: Message) -> None:
+        try:
+            await self.send(message)
+        except OSError as exc:
+            raise _ClientGone from exc
+
+
+async def relay(
+    response: httpx.Response,
+    *,
+    send: Send,
+    receive: Receive,
+    stall_timeout: float,
+    keepalive_interval: float,
+    reissue: Callable[[], Awaitable[httpx.Response | None]] | None = None,
+    counters: Counters | None = None,
+    on_first_byte: Callable[[], None] | None = None,
+) -> RelayResult:
+    """Stream an open httpx response (``client.send(request, stream=True)``) to an ASGI client.
+
+    ``reissue`` is called at most once, when an in-band stream starved before the client saw
+    any content; it returns a new open response (relayed into the same client response) or
+    None. ``counters.stalled`` / ``counters.starved`` count each stalled / starved upstream
+    response. The upstream response (and a re-issued one) is always closed on return.
+    """
+    if stall_timeout <= 0:
+        raise ValueError(f"stall_timeout={stall_timeout} is invalid: must be greater than 0")
+    if keepalive_interval <= 0:
+        raise ValueError(f"keepalive_interval={keepalive_interval} is invalid: must be greater than 0")
+    state = _Relay(
+        send=send,
+        stall_timeout=stall_timeout,
+        keepalive_interval=keepalive_interval,
+        reissue=reissue,
+        counters=counters,
+        on_first_byte=on_first_byte,
+    )
+    return await state.run(response, receive)
+
+
+async def collect_text(
+    response: httpx.Response,
+    *,
+    max_bytes: int = _COLLECT_LIMIT,
+    stall_timeout: float | None = None,
+) -> str:
+    """Read a whole upstream response and return its answer text; closes the response.
+
+    Accepts an SSE stream or a complete JSON object (chat completion, Anthropic message,
+    Responses object, Gemini response or array of them). Raises ``StarvationError`` if the
+    stream ended without a terminal event or produced no output (a natural stop with empty
+    text returns ``""``), ``UpstreamError`` for an error status, an upstream error event or
+    a body over ``max_bytes``, ``UpstreamStalled`` after ``stall_timeout`` seconds without data.
+    """
+    try:
+        sse = _is_sse(response) and response.status_code < 400
+        tracker = SSETracker(keep_text=True) if sse else None
+        body = bytearray()
+        received = 0
+        # aiter_bytes nests httpx's own aiter_raw generator, which cannot be closed from here if
+        # reading stops early; only decode when there is something to decode.
+        iterator = response.aiter_bytes() if _is_encoded(response) else response.aiter_raw()
+        try:
+            while True:
+                with anyio.move_on_after(stall_timeout if stall_timeout is not None else float("inf")) as scope:
+                    try:
+                        chunk = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        break
+                if scope.cancelled_caught:
+                    raise UpstreamStalled(f"the upstream sent no data for {stall_timeout:g} seconds")
+                received += len(chunk)
+                if received > max_bytes:
+                    raise UpstreamError(f"the upstream response exceeds {max_bytes} bytes", code="upstream_too_large")
+                if tracker is not None:
+                    tracker.feed(chunk)
+                else:
+                    body += chunk
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"reading the upstream response failed ({type(exc).__name__})") from None
+        finally:
+            await _aclose_iterator(iterator)
+
+        if response.status_code >= 400:
+            raise UpstreamError(_status_message(response.status_code, bytes(body)))
+        if tracker is not None:
+            if tracker.saw_error:
+                raise UpstreamError(tracker.error_message or "the upstream reported an error")
+            if tracker.starved:
+                if tracker.saw_terminal or not tracker.saw_content:
+                    raise StarvationError("the upstream produced no output")
+                raise StarvationError("the upstream stream ended without a terminal event")
+            return tracker.text
+        return _object_text(bytes(body))
+    finally:
+        await _close(response)
+
+
+def _object_text(body: bytes) -> str:
+    try:
+        document: Any = loads(body)
+    except JSONDecodeFailure:
+        raise UpstreamError("the upstream response is not valid JSON") from None
+    items = document if isinstance(document, list) else [document]
+    text: list[str] = []
+    content = natural = False
+    for item in items:
+        kind = classify("message", item)
+        if kind.error:
+            raise UpstreamError(kind.message or "the upstream reported an error")
+        content = content or kind.content
+        natural = natural or kind.natural_stop
+        text.append(kind.text)
+    # A complete object is its own terminal; with no output it must at least name a natural stop.
+    if not (content or natural):
+        raise StarvationError("the upstream produced no output")
+    return "".join(text)
+
+
+def _status_message(status: int, body: bytes) -> str:
+    message = ""
+    try:
+        document: Any = loads(body)
+    except JSONDecodeFailure:
+        document = None
+    if isinstance(document, dict):
+        message = classify("error", document).message
+    return f"the upstream returned HTTP {status}" + (f": {message}" if message else "")

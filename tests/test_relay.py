@@ -1,0 +1,984 @@
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from starlette.types import Message
+
+from asgi_lifetime._exceptions import StarvationError, UpstreamError, UpstreamStalled
+from asgi_lifetime._relay import HOP_BY_HOP, RelayResult, collect_text, filter_headers, relay
+from asgi_lifetime._sse import KEEPALIVE, SSEEvent, SSEParser
+from asgi_lifetime._stats import Counters
+
+SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8"}
+
+
+class Upstream(httpx.AsyncByteStream):
+    """Yields byte chunks; a number sleeps that long, an exception is raised. Records pulls and closes.
+
+    An iterator object rather than an async generator: an abandoned generator is reported by
+    trio's finalizer, and the only generator these tests should see is the one relay owns.
+    """
+
+    def __init__(self, *items: bytes | float | Exception, on_pull: Callable[[int], None] | None = None) -> None:
+        self.items = list(items)
+        self.on_pull = on_pull
+        self.pulled = 0
+        self.closed = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while self.items:
+            item = self.items.pop(0)
+            if isinstance(item, (int, float)):
+                await anyio.sleep(item)
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                self.pulled += 1
+                if self.on_pull is not None:
+                    self.on_pull(self.pulled)
+                return item
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def upstream_response(
+    stream: Upstream, *, status: int = 200, headers: dict[str, str] | list[tuple[str, str]] | None = None
+) -> httpx.Response:
+    request = httpx.Request("POST", "http://upstream.test/v1/chat/completions")
+    return httpx.Response(status, headers=headers, stream=stream, request=request)
+
+
+class Client:
+    """A recording ASGI ``send`` and a ``receive`` that blocks until ``disconnect()``."""
+
+    def __init__(self, *, send_delay: float = 0.0, leftovers: int = 0) -> None:
+        self.messages: list[Message] = []
+        self.send_delay = send_delay
+        self.sending = False
+        self.leftovers = leftovers
+        self.body_seen = anyio.Event()
+        self._disconnected = anyio.Event()
+
+    async def send(self, message: Message) -> None:
+        assert not self.sending, "send() called concurrently"
+        self.sending = True
+        try:
+            if self.send_delay and message["type"] == "http.response.body":
+                await anyio.sleep(self.send_delay)
+            self.messages.append(message)
+            if message["type"] == "http.response.body" and message["body"]:
+                self.body_seen.set()
+        finally:
+            self.sending = False
+
+    async def receive(self) -> Message:
+        if self.leftovers:
+            self.leftovers -= 1
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await self._disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    def disconnect(self) -> None:
+        self._disconnected.set()
+
+    @property
+    def start(self) -> Message:
+        starts = [m for m in self.messages if m["type"] == "http.response.start"]
+        assert len(starts) == 1
+        assert self.messages[0] is starts[0]
+        return starts[0]
+
+    @property
+    def status(self) -> int:
+        return int(self.start["status"])
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.start["headers"]}
+
+    @property
+    def bodies(self) -> list[bytes]:
+        return [m["body"] for m in self.messages if m["type"] == "http.response.body"]
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.bodies)
+
+    @property
+    def ended(self) -> bool:
+        last = self.messages[-1]
+        return last["type"] == "http.response.body" and not last.get("more_body", False)
+
+    @property
+    def events(self) -> list[SSEEvent]:
+        return SSEParser().feed(self.body)
+
+    def error_event(self) -> dict[str, Any]:
+        last = self.events[-1]
+        assert last.event == "error"
+        return dict(json.loads(last.data)["error"])
+
+
+async def run(response: httpx.Response, client: Client, **options: Any) -> RelayResult:
+    options.setdefault("stall_timeout", 2.0)
+    options.setdefault("keepalive_interval", 1.0)
+    with anyio.fail_after(5):
+        return await relay(response, send=client.send, receive=client.receive, **options)
+
+
+def sse(*payloads: dict[str, Any] | str, event: str | None = None) -> bytes:
+    out = b""
+    for payload in payloads:
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        out += (f"event: {event}\n" if event else "").encode() + f"data: {data}\n\n".encode()
+    return out
+
+
+def delta(**fields: Any) -> dict[str, Any]:
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+
+def finish(reason: str = "stop") -> dict[str, Any]:
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}
+
+
+ROLE = sse(delta(role="assistant"))
+HELLO = sse(delta(content="Hel"), delta(content="lo"))
+STOP = sse(finish("stop"))
+DONE = sse("[DONE]")
+
+
+# -- headers -------------------------------------------------------------------------------------
+
+
+def test_hop_by_hop_set() -> None:
+    assert {"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"} <= HOP_BY_HOP
+    assert {"proxy-authenticate", "proxy-authorization"} <= HOP_BY_HOP
+
+
+def test_filter_headers_asgi_direction() -> None:
+    headers = [
+        (b"Host", b"gateway"),
+        (b"Connection", b"keep-alive, X-Secret-Hop"),
+        (b"x-secret-hop", b"1"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"TE", b"trailers"),
+        (b"Proxy-Authorization", b"Basic xyz"),
+        (b"Authorization", b"Bearer k"),
+        (b"Transfer-Encoding", b"chunked"),
+        (b"Upgrade", b"h2c"),
+        (b"X-Kept", b"a"),
+        (b"X-Kept", b"b"),
+    ]
+    assert filter_headers(headers) == [
+        (b"host", b"gateway"),
+        (b"authorization", b"Bearer k"),
+        (b"x-kept", b"a"),
+        (b"x-kept", b"b"),
+    ]
+
+
+def test_filter_headers_httpx_direction() -> None:
+    headers = httpx.Headers(
+        [("Content-Type", "application/json"), ("Connection", "close"), ("Trailer", "x"), ("Set-Cookie", "a=1")]
+    )
+    assert filter_headers(headers) == [(b"content-type", b"application/json"), (b"set-cookie", b"a=1")]
+
+
+@pytest.mark.anyio
+async def test_passes_status_and_headers_minus_hop_by_hop() -> None:
+    body = b'{"id":"x","choices":[]}'
+    stream = Upstream(body[:10], body[10:])
+    response = upstream_response(
+        stream,
+        status=201,
+        headers=[
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+            ("connection", "keep-alive, x-hop"),
+            ("x-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("x-request-id", "abc"),
+        ],
+    )
+    client = Client()
+    result = await run(response, client)
+    assert client.status == 201
+    assert client.headers == {
+        "content-type": "application/json",
+        "content-length": str(len(body)),
+        "x-request-id": "abc",
+    }
+    assert client.body == body and client.ended
+    assert result == RelayResult(201, len(body), result.first_byte_at, "complete", False)
+    assert result.first_byte_at is not None
+    assert stream.closed
+
+
+@pytest.mark.anyio
+async def test_sse_drops_content_length() -> None:
+    body = ROLE + HELLO + STOP + DONE
+    response = upstream_response(Upstream(body), headers={**SSE_HEADERS, "content-length": str(len(body))})
+    client = Client()
+    result = await run(response, client)
+    assert "content-length" not in client.headers
+    assert client.headers["content-type"] == SSE_HEADERS["content-type"]
+    assert client.body == body and result.outcome == "complete"
+
+
+@pytest.mark.anyio
+async def test_gzip_is_passed_through_raw() -> None:
+    compressed = gzip.compress(json.dumps({"choices": [{"message": {"content": "hi"}}]}).encode() * 50)
+    third = len(compressed) // 3
+    stream = Upstream(compressed[:third], compressed[third : 2 * third], compressed[2 * third :])
+    headers = {
+        "content-type": "application/json",
+        "content-encoding": "gzip",
+        "content-length": str(len(compressed)),
+    }
+    client = Client()
+    result = await run(upstream_response(stream, headers=headers), client)
+    assert client.body == compressed
+    assert client.headers["content-encoding"] == "gzip"
+    assert client.headers["content-length"] == str(len(compressed))
+    assert result.outcome == "complete" and result.bytes_out == len(compressed)
+
+
+@pytest.mark.anyio
+async def test_gzip_sse_is_a_plain_stream() -> None:
+    # Compressed SSE can be neither parsed nor have bytes injected: no keep-alives in the silence,
+    # no starvation verdict on a stream with no terminal event.
+    compressed = gzip.compress(ROLE + HELLO)
+    stream = Upstream(compressed[:5], 0.3, compressed[5:])
+    counters = Counters()
+    client = Client()
+    response = upstream_response(stream, headers={**SSE_HEADERS, "content-encoding": "gzip", "content-length": "9"})
+    result = await run(response, client, keepalive_interval=0.05, counters=counters)
+    assert client.body == compressed
+    assert "content-length" not in client.headers
+    assert result.outcome == "complete" and counters.starved == 0
+
+
+# -- backpressure, first byte ----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [False, True])
+async def test_backpressure_one_chunk_in_flight(sse_stream: bool) -> None:
+    client = Client(send_delay=0.02)
+    lead: list[int] = []
+
+    def on_pull(pulled: int) -> None:
+        delivered = sum(1 for b in client.bodies if b)
+        lead.append(pulled - delivered)
+
+    chunks = [sse(delta(content=str(i))) for i in range(10)] + [STOP + DONE]
+    stream = Upstream(*chunks, on_pull=on_pull)
+    headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
+    result = await run(upstream_response(stream, headers=headers), client)
+    assert result.outcome == "complete"
+    assert len(lead) == len(chunks)
+    assert max(lead) == 1  # the chunk being sent; the upstream is never read further ahead
+    assert client.body == b"".join(chunks)
+
+
+@pytest.mark.anyio
+async def test_on_first_byte_called_once_and_start_is_lazy() -> None:
+    calls: list[int] = []
+    client = Client()
+
+    def on_first_byte() -> None:
+        calls.append(len(client.messages))
+
+    stream = Upstream(0.05, ROLE, HELLO, STOP + DONE)
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, on_first_byte=on_first_byte)
+    assert calls == [0]  # before anything, even the response start, was sent
+    assert result.first_byte_at is not None
+    assert result.bytes_out == len(client.body)
+
+
+# -- client disconnect, cancellation ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_client_disconnect_closes_upstream_at_once() -> None:
+    stream = Upstream(ROLE, 30.0, HELLO)
+    client = Client(leftovers=2)
+    response = upstream_response(stream, headers=SSE_HEADERS)
+    results: list[RelayResult] = []
+    done = anyio.Event()
+
+    async def go() -> None:
+        results.append(await run(response, client, stall_timeout=60.0, keepalive_interval=30.0))
+        done.set()
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(go)
+            await client.body_seen.wait()
+            before = anyio.current_time()
+            client.disconnect()
+            await done.wait()
+            assert anyio.current_time() - before < 0.5
+    (result,) = results
+    assert result.outcome == "client_disconnected"
+    assert stream.closed and response.is_closed
+    await anyio.sleep(0.05)
+    assert stream.pulled == 1
+
+
+@pytest.mark.anyio
+async def test_disconnect_before_anything_was_sent() -> None:
+    stream = Upstream(30.0, ROLE)
+    client = Client()
+    client.disconnect()
+    with anyio.fail_after(2):
+        result = await run(upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=60.0)
+    assert result.outcome == "client_disconnected" and result.status == 499
+    assert client.messages == [] and stream.closed
+
+
+@pytest.mark.anyio
+async def test_send_oserror_is_a_disconnect() -> None:
+    stream = Upstream(ROLE, HELLO)
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            raise OSError("connection reset")
+        sent.append(message)
+
+    with anyio.fail_after(2):
+        result = await relay(
+            upstream_response(stream, headers=SSE_HEADERS),
+            send=send,
+            receive=Client().receive,
+            stall_timeout=1,
+            keepalive_interval=1,
+        )
+    assert result.outcome == "client_disconnected" and stream.closed
+
+
+@pytest.mark.anyio
+async def test_cancellation_from_outside_closes_upstream() -> None:
+    stream = Upstream(ROLE, 30.0, HELLO)
+    client = Client()
+    response = upstream_response(stream, headers=SSE_HEADERS)
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: relay(
+                    response, send=client.send, receive=client.receive, stall_timeout=60, keepalive_interval=60
+                )
+            )
+            await client.body_seen.wait()
+            tg.cancel_scope.cancel()
+    assert stream.closed and response.is_closed
+    assert stream.pulled == 1
+
+
+@pytest.mark.anyio
+async def test_exception_from_send_propagates_unwrapped_and_closes_upstream() -> None:
+    stream = Upstream(ROLE, HELLO)
+
+    async def send(message: Message) -> None:
+        raise RuntimeError("app bug")
+
+    with pytest.raises(RuntimeError, match="app bug"):
+        await relay(
+            upstream_response(stream, headers=SSE_HEADERS),
+            send=send,
+            receive=Client().receive,
+            stall_timeout=1,
+            keepalive_interval=1,
+        )
+    assert stream.closed
+
+
+# -- stall guard, keep-alives ----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("headers", [{"content-type": "application/json"}, SSE_HEADERS])
+async def test_stall_before_first_byte_is_a_504(headers: dict[str, str]) -> None:
+    stream = Upstream(30.0, b"late")
+    counters = Counters()
+    client = Client()
+    result = await run(
+        upstream_response(stream, headers=headers), client, stall_timeout=0.1, keepalive_interval=1, counters=counters
+    )
+    assert client.status == 504
+    assert client.headers["content-type"] == "application/json"
+    assert json.loads(client.body)["error"]["code"] == "upstream_stalled"
+    assert client.headers["content-length"] == str(len(client.body))
+    assert client.ended
+    assert result.outcome == "stalled" and result.status == 504 and result.first_byte_at is None
+    assert counters.stalled == 1 and stream.closed
+
+
+@pytest.mark.anyio
+async def test_stall_after_first_byte_sse_sends_error_event() -> None:
+    stream = Upstream(ROLE + sse(delta(content="Hi")), 30.0, DONE)
+    counters = Counters()
+    client = Client()
+    result = await run(
+        upstream_response(stream, headers=SSE_HEADERS),
+        client,
+        stall_timeout=0.2,
+        keepalive_interval=1,
+        counters=counters,
+    )
+    assert client.status == 200 and client.ended
+    error = client.error_event()
+    assert error["code"] == "upstream_stalled" and error["type"] == "upstream_error"
+    assert "0.2 seconds" in error["message"]
+    assert result.outcome == "stalled"
+    assert counters.stalled == 1 and counters.starved == 0
+    assert stream.closed
+
+
+@pytest.mark.anyio
+async def test_stall_after_first_byte_plain_stream_just_ends() -> None:
+    stream = Upstream(b"part one", 30.0, b"part two")
+    counters = Counters()
+    client = Client()
+    result = await run(
+        upstream_response(stream, headers={"content-type": "text/plain"}), client, stall_timeout=0.1, counters=counters
+    )
+    assert client.status == 200 and client.body == b"part one" and client.ended
+    assert result.outcome == "stalled" and counters.stalled == 1 and stream.closed
+
+
+@pytest.mark.anyio
+async def test_keepalives_do_not_reset_the_stall_timer() -> None:
+    stream = Upstream(ROLE, 30.0, DONE)
+    client = Client()
+    result = await run(
+        upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=0.35, keepalive_interval=0.05
+    )
+    assert result.outcome == "stalled"
+    assert client.bodies.count(KEEPALIVE) >= 3
+    assert client.error_event()["code"] == "upstream_stalled"
+
+
+@pytest.mark.anyio
+async def test_keepalives_during_short_silences() -> None:
+    upstream_bytes = [ROLE, sse(delta(content="Hi")), STOP + DONE]
+    stream = Upstream(0.2, upstream_bytes[0], 0.2, upstream_bytes[1], 0.2, upstream_bytes[2])
+    client = Client()
+    result = await run(
+        upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=1.0, keepalive_interval=0.05
+    )
+    assert result.outcome == "complete"
+    # The first keep-alive is due before the first upstream byte: it sends the response start.
+    assert client.messages[0]["type"] == "http.response.start" and client.bodies[0] == KEEPALIVE
+    assert client.bodies.count(KEEPALIVE) >= 3
+    assert [b for b in client.bodies if b not in (KEEPALIVE, b"")] == upstream_bytes
+    assert client.events == SSEParser().feed(b"".join(upstream_bytes))
+
+
+@pytest.mark.anyio
+async def test_no_keepalive_inside_a_line() -> None:
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}'
+    rest = b',"finish_reason":"stop"}]}\n\n' + DONE
+    stream = Upstream(first, 0.3, rest)
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, keepalive_interval=0.05)
+    assert result.outcome == "complete"
+    assert client.body == first + rest
+
+
+@pytest.mark.anyio
+async def test_keepalive_inside_an_event_is_a_comment_line() -> None:
+    first = b"event: message\ndata: " + json.dumps(delta(content="a")).encode() + b"\n"
+    rest = b"\n" + STOP + DONE
+    stream = Upstream(first, 0.2, rest)
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, keepalive_interval=0.05)
+    assert result.outcome == "complete"
+    assert b": keep-alive\n" in client.bodies and KEEPALIVE not in client.bodies
+    assert client.events == SSEParser().feed(first + rest)
+
+
+# -- starvation guard -----------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_stream_ending_without_terminal_is_starvation() -> None:
+    stream = Upstream(ROLE)
+    counters = Counters()
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, counters=counters)
+    assert client.status == 200 and client.ended
+    assert client.body.startswith(ROLE)
+    error = client.error_event()
+    assert error["code"] == "upstream_starved" and "no output" in error["message"]
+    assert result.outcome == "starved" and counters.starved == 1 and stream.closed
+
+
+@pytest.mark.anyio
+async def test_content_without_terminal_is_starvation_but_not_reissued() -> None:
+    calls: list[int] = []
+
+    async def reissue() -> httpx.Response | None:
+        calls.append(1)
+        return None
+
+    counters = Counters()
+    client = Client()
+    stream = Upstream(ROLE, HELLO)
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, reissue=reissue, counters=counters)
+    assert calls == []  # the client has seen content: a second answer cannot be appended
+    assert client.body.startswith(ROLE + HELLO)
+    error = client.error_event()
+    assert error["code"] == "upstream_starved" and "terminal" in error["message"]
+    assert result.outcome == "starved" and not result.reissued and counters.starved == 1
+
+
+@pytest.mark.anyio
+async def test_unterminated_last_event_is_closed_before_the_error_event() -> None:
+    stream = Upstream(ROLE + b'data: {"choices":[{"delta":{"cont')
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client)
+    assert result.outcome == "starved"
+    assert client.error_event()["code"] == "upstream_starved"
+
+
+@pytest.mark.anyio
+async def test_done_without_content_is_starvation_and_done_is_withheld() -> None:
+    stream = Upstream(ROLE, DONE)
+    counters = Counters()
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, counters=counters)
+    assert result.outcome == "starved" and counters.starved == 1
+    assert [e.data for e in client.events][:-1] == [json.dumps(delta(role="assistant"))]
+    assert client.error_event()["code"] == "upstream_starved"
+    assert b"[DONE]" not in client.body
+
+
+@pytest.mark.anyio
+async def test_abnormal_finish_without_content_is_starvation() -> None:
+    stream = Upstream(ROLE, sse(finish("abort")) + DONE)
+    counters = Counters()
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, counters=counters)
+    assert result.outcome == "starved" and counters.starved == 1
+    assert b"abort" not in client.body and b"[DONE]" not in client.body
+
+
+@pytest.mark.anyio
+async def test_starvation_with_nothing_sent_is_a_502() -> None:
+    stream = Upstream()
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client)
+    assert client.status == 502
+    assert json.loads(client.body)["error"]["code"] == "upstream_starved"
+    assert result.outcome == "starved" and result.status == 502
+
+
+@pytest.mark.anyio
+async def test_malformed_stream_without_terminal_is_starvation() -> None:
+    huge = b"data: " + b"x" * (1024 * 1024 + 10)
+    stream = Upstream(ROLE, huge[: 512 * 1024], huge[512 * 1024 :])
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client)
+    assert result.outcome == "starved"
+    assert client.body.startswith(ROLE + huge)  # the bytes are still relayed
+    (event,) = SSEParser().feed(client.body[len(ROLE + huge) :])  # the line is ended before the error event
+    assert event.event == "error" and json.loads(event.data)["error"]["code"] == "upstream_starved"
+
+
+NATURAL_STOPS = {
+    "openai-finish-stop": ROLE + STOP + DONE,
+    "openai-content-filter": ROLE + sse(finish("content_filter")),
+    "anthropic-end-turn": (
+        sse(
+            {"type": "message_start", "message": {"type": "message", "content": [], "stop_reason": None}},
+            event="message_start",
+        )
+        + sse({"type": "message_delta", "delta": {"stop_reason": "end_turn"}}, event="message_delta")
+        + sse({"type": "message_stop"}, event="message_stop")
+    ),
+    "responses-completed": sse(
+        {"type": "response.completed", "response": {"status": "completed"}}, event="response.completed"
+    ),
+    "gemini-stop": sse({"candidates": [{"content": {"parts": []}, "finishReason": "STOP"}]}),
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("body", list(NATURAL_STOPS.values()), ids=list(NATURAL_STOPS))
+async def test_natural_stop_without_content_is_not_starvation(body: bytes) -> None:
+    calls: list[int] = []
+
+    async def reissue() -> httpx.Response | None:
+        calls.append(1)
+        return None
+
+    stream = Upstream(*(body[i : i + 20] for i in range(0, len(body), 20)))
+    counters = Counters()
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, reissue=reissue, counters=counters)
+    assert result.outcome == "complete" and counters.starved == 0 and calls == []
+    assert client.body == body and client.ended
+
+
+@pytest.mark.anyio
+async def test_natural_stop_with_content_is_complete() -> None:
+    body = ROLE + HELLO + STOP + DONE
+    counters = Counters()
+    client = Client()
+    result = await run(upstream_response(Upstream(body), headers=SSE_HEADERS), client, counters=counters)
+    assert result.outcome == "complete" and counters.starved == 0 and client.body == body
+
+
+@pytest.mark.anyio
+async def test_upstream_error_event_is_relayed_not_starvation() -> None:
+    error = sse({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}, event="error")
+    stream = Upstream(ROLE, error)
+    counters = Counters()
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, counters=counters)
+    assert result.outcome == "upstream_error" and counters.starved == 0
+    assert client.body == ROLE + error
+
+
+@pytest.mark.anyio
+async def test_error_status_sse_is_not_judged() -> None:
+    body = sse({"error": {"message": "rate limited"}})[:-1]  # not even a complete event
+    counters = Counters()
+    client = Client()
+    result = await run(upstream_response(Upstream(body), status=429, headers=SSE_HEADERS), client, counters=counters)
+    assert client.status == 429 and client.body == body
+    assert result.outcome == "complete" and counters.starved == 0
+
+
+# -- re-issue -------------------------------------------------------------------------------------
+
+
+class Reissuer:
+    def __init__(self, *responses: httpx.Response | None | Exception) -> None:
+        self.responses = list(responses)
+        self.calls = 0
+
+    async def __call__(self) -> httpx.Response | None:
+        self.calls += 1
+        item = self.responses.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+@pytest.mark.anyio
+async def test_reissue_when_nothing_visible_was_sent() -> None:
+    first = Upstream(ROLE)
+    second = Upstream(ROLE, HELLO, STOP + DONE)
+    reissue = Reissuer(upstream_response(second, headers=SSE_HEADERS))
+    counters = Counters()
+    client = Client()
+    result = await run(upstream_response(first, headers=SSE_HEADERS), client, reissue=reissue, counters=counters)
+    assert reissue.calls == 1
+    assert result.outcome == "complete" and result.reissued
+    assert client.body == ROLE + ROLE + HELLO + STOP + DONE
+    assert counters.starved == 1
+    assert first.closed and second.closed
+
+
+@pytest.mark.anyio
+async def test_reissue_replaces_a_withheld_done() -> None:
+    first = Upstream(ROLE, DONE)
+    second = Upstream(HELLO + STOP + DONE)
+    reissue = Reissuer(upstream_response(second, headers=SSE_HEADERS))
+    client = Client()
+    result = await run(upstream_response(first, headers=SSE_HEADERS), client, reissue=reissue)
+    assert result.outcome == "complete" and result.reissued
+    assert client.body == ROLE + HELLO + STOP + DONE
+
+
+@pytest.mark.anyio
+async def test_reissue_after_a_cut_event_resyncs_the_client_parser() -> None:
+    first = Upstream(ROLE + b"data: {")
+    second = Upstream(HELLO + STOP + DONE)
+    client = Client()
+    result = await run(
+        upstream_response(first, headers=SSE_HEADERS),
+        client,
+        reissue=Reissuer(upstream_response(second, headers=SSE_HEADERS)),
+    )
+    assert result.outcome == "complete"
+    assert [e.data for e in client.events][-4:] == [
+        json.dumps(delta(content="Hel")),
+        json.dumps(delta(content="lo")),
+        json.dumps(finish()),
+        "[DONE]",
+    ]
+
+
+@pytest.mark.anyio
+async def test_reissue_uses_new_status_and_headers_when_nothing_was_sent() -> None:
+    first = Upstream()
+    second = Upstream(b'{"error":{"message":"slow down"}}')
+    reissue = Reissuer(
+        upstream_response(second, status=429, headers={"content-type": "application/json", "retry-after": "3"})
+    )
+    client = Client()
+    response = upstream_response(first, headers={**SSE_HEADERS, "x-attempt": "1"})
+    result = await run(response, client, reissue=reissue)
+    assert client.status == 429 and client.headers["retry-after"] == "3" and "x-attempt" not in client.headers
+    assert client.body == b'{"error":{"message":"slow down"}}'
+    assert result.reissued and result.status == 429 and result.outcome == "complete"
+
+
+@pytest.mark.anyio
+async def test_reissue_only_once_even_if_the_second_starves() -> None:
+    first, second = Upstream(ROLE), Upstream(ROLE, DONE)
+    reissue = Reissuer(
+        upstream_response(second, headers=SSE_HEADERS), upstream_response(Upstream(HELLO), headers=SSE_HEADERS)
+    )
+    counters = Counters()
+    client = Client()
+    result = await run(upstream_response(first, headers=SSE_HEADERS), client, reissue=reissue, counters=counters)
+    assert reissue.calls == 1
+    assert result.outcome == "starved" and result.reissued
+    assert client.error_event()["code"] == "upstream_starved"
+    assert counters.starved == 2  # each starved upstream response counts
+    assert first.closed and second.closed
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("outcome", ["none", "connect-error", "not-sse"])
+async def test_reissue_that_yields_nothing_usable_ends_with_error_event(outcome: str) -> None:
+    third = Upstream(b'{"error":{}}')
+    item: httpx.Response | None | Exception = {
+        "none": None,
+        "connect-error": httpx.ConnectError("refused"),
+        "not-sse": upstream_response(third, status=500, headers={"content-type": "application/json"}),
+    }[outcome]
+    reissue = Reissuer(item)
+    client = Client()
+    first = Upstream(ROLE)
+    result = await run(upstream_response(first, headers=SSE_HEADERS), client, reissue=reissue)
+    assert reissue.calls == 1 and result.outcome == "starved" and result.reissued
+    assert client.status == 200 and client.error_event()["code"] == "upstream_starved"
+    assert first.closed
+    if outcome == "not-sse":
+        assert third.closed and third.pulled == 0
+
+
+@pytest.mark.anyio
+async def test_keepalives_continue_while_reissuing() -> None:
+    async def slow_reissue() -> httpx.Response | None:
+        await anyio.sleep(0.3)
+        return upstream_response(Upstream(HELLO + STOP + DONE), headers=SSE_HEADERS)
+
+    client = Client()
+    result = await run(
+        upstream_response(Upstream(ROLE), headers=SSE_HEADERS), client, reissue=slow_reissue, keepalive_interval=0.05
+    )
+    assert result.outcome == "complete"
+    assert client.bodies.count(KEEPALIVE) >= 3
+
+
+# -- upstream read errors -------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("error", [httpx.ReadError("reset"), httpx.RemoteProtocolError("peer closed")])
+async def test_read_error_before_first_byte_is_a_502(error: Exception) -> None:
+    stream = Upstream(error)
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client)
+    assert client.status == 502
+    assert json.loads(client.body)["error"]["type"] == "upstream_error"
+    assert result.outcome == "upstream_error" and stream.closed
+
+
+@pytest.mark.anyio
+async def test_read_error_after_first_byte_sse_sends_error_event() -> None:
+    stream = Upstream(ROLE, HELLO, httpx.ReadError("reset"))
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client)
+    assert client.status == 200 and client.body.startswith(ROLE + HELLO)
+    assert client.error_event()["type"] == "upstream_error"
+    assert result.outcome == "upstream_error" and stream.closed
+
+
+@pytest.mark.anyio
+async def test_read_error_after_first_byte_plain_stream_just_ends() -> None:
+    stream = Upstream(b"abc", httpx.RemoteProtocolError("peer closed"))
+    client = Client()
+    result = await run(upstream_response(stream, headers={"content-type": "text/plain"}), client)
+    assert client.body == b"abc" and client.ended
+    assert result.outcome == "upstream_error" and stream.closed
+
+
+@pytest.mark.anyio
+async def test_through_a_real_async_client() -> None:
+    stream = Upstream(ROLE, 0.05, HELLO, STOP + DONE)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers=SSE_HEADERS, stream=stream)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        response = await http.send(http.build_request("POST", "http://upstream.test/v1/chat/completions"), stream=True)
+        client = Client()
+        result = await run(response, client)
+    assert result.outcome == "complete" and client.body == ROLE + HELLO + STOP + DONE
+    assert stream.closed
+
+
+@pytest.mark.anyio
+async def test_invalid_timeouts() -> None:
+    client = Client()
+    with pytest.raises(ValueError, match="stall_timeout"):
+        await relay(
+            upstream_response(Upstream()),
+            send=client.send,
+            receive=client.receive,
+            stall_timeout=0,
+            keepalive_interval=1,
+        )
+    with pytest.raises(ValueError, match="keepalive_interval"):
+        await relay(
+            upstream_response(Upstream()),
+            send=client.send,
+            receive=client.receive,
+            stall_timeout=1,
+            keepalive_interval=0,
+        )
+
+
+# -- collect_text ---------------------------------------------------------------------------------
+
+ANTHROPIC_SSE = (
+    sse(
+        {"type": "message_start", "message": {"type": "message", "content": [], "stop_reason": None}},
+        event="message_start",
+    )
+    + sse(
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        event="content_block_start",
+    )
+    + sse(
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hel"}},
+        event="content_block_delta",
+    )
+    + sse(
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "lo"}},
+        event="content_block_delta",
+    )
+    + sse({"type": "message_delta", "delta": {"stop_reason": "end_turn"}}, event="message_delta")
+    + sse({"type": "message_stop"}, event="message_stop")
+)
+RESPONSES_SSE = (
+    sse({"type": "response.output_text.delta", "delta": "Hel"}, event="response.output_text.delta")
+    + sse({"type": "response.output_text.delta", "delta": "lo"}, event="response.output_text.delta")
+    + sse({"type": "response.completed", "response": {"status": "completed", "output": []}}, event="response.completed")
+)
+CHAT_JSON = {
+    "object": "chat.completion",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}],
+}
+ANTHROPIC_JSON = {"type": "message", "content": [{"type": "text", "text": "Hello"}], "stop_reason": "end_turn"}
+RESPONSES_JSON = {
+    "object": "response",
+    "status": "completed",
+    "output": [{"type": "message", "content": [{"type": "output_text", "text": "Hello"}]}],
+}
+GEMINI_JSON = [
+    {"candidates": [{"content": {"parts": [{"text": "Hel"}]}}]},
+    {"candidates": [{"content": {"parts": [{"text": "lo"}]}, "finishReason": "STOP"}]},
+]
+
+COLLECT_OK: dict[str, tuple[bytes, dict[str, str], str]] = {
+    "openai-sse": (ROLE + HELLO + STOP + DONE, SSE_HEADERS, "Hello"),
+    "anthropic-sse": (ANTHROPIC_SSE, SSE_HEADERS, "Hello"),
+    "responses-sse": (RESPONSES_SSE, SSE_HEADERS, "Hello"),
+    "natural-empty-sse": (ROLE + STOP + DONE, SSE_HEADERS, ""),
+    "chat-json": (json.dumps(CHAT_JSON).encode(), {"content-type": "application/json"}, "Hello"),
+    "anthropic-json": (json.dumps(ANTHROPIC_JSON).encode(), {"content-type": "application/json"}, "Hello"),
+    "responses-json": (json.dumps(RESPONSES_JSON).encode(), {"content-type": "application/json"}, "Hello"),
+    "gemini-json-array": (json.dumps(GEMINI_JSON).encode(), {"content-type": "application/json"}, "Hello"),
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("body", "headers", "text"), list(COLLECT_OK.values()), ids=list(COLLECT_OK))
+async def test_collect_text(body: bytes, headers: dict[str, str], text: str) -> None:
+    stream = Upstream(*(body[i : i + 13] for i in range(0, len(body), 13)))
+    with anyio.fail_after(2):
+        assert await collect_text(upstream_response(stream, headers=headers)) == text
+    assert stream.closed
+
+
+@pytest.mark.anyio
+async def test_collect_text_decodes_gzip_sse() -> None:
+    stream = Upstream(gzip.compress(ROLE + HELLO + STOP + DONE))
+    response = upstream_response(stream, headers={**SSE_HEADERS, "content-encoding": "gzip"})
+    assert await collect_text(response) == "Hello"
+
+
+EMPTY_CHAT = {"choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+COLLECT_STARVED: dict[str, tuple[bytes, dict[str, str]]] = {
+    "empty-stream": (b"", SSE_HEADERS),
+    "comments-only": (b": ping\n\n" * 3, SSE_HEADERS),
+    "no-terminal": (ROLE + HELLO, SSE_HEADERS),
+    "done-only": (ROLE + DONE, SSE_HEADERS),
+    "empty-json": (json.dumps(EMPTY_CHAT).encode(), {"content-type": "application/json"}),
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("body", "headers"), list(COLLECT_STARVED.values()), ids=list(COLLECT_STARVED))
+async def test_collect_text_starvation(body: bytes, headers: dict[str, str]) -> None:
+    stream = Upstream(body) if body else Upstream()
+    with anyio.fail_after(2), pytest.raises(StarvationError):
+        await collect_text(upstream_response(stream, headers=headers))
+    assert stream.closed
+
+
+@pytest.mark.anyio
+async def test_collect_text_upstream_error_event_is_not_starvation() -> None:
+    body = ROLE + sse({"error": {"message": "context length exceeded"}}, event="error")
+    with pytest.raises(UpstreamError, match="context length exceeded") as info:
+        await collect_text(upstream_response(Upstream(body), headers=SSE_HEADERS))
+    assert not isinstance(info.value, StarvationError)
+
+
+@pytest.mark.anyio
+async def test_collect_text_error_status() -> None:
+    stream = Upstream(b'{"error":{"message":"bad key"}}')
+    response = upstream_response(stream, status=401, headers={"content-type": "application/json"})
+    with pytest.raises(UpstreamError, match="HTTP 401: bad key"):
+        await collect_text(response)
+    assert stream.closed
+
+
+@pytest.mark.anyio
+async def test_collect_text_stall_and_size_limit() -> None:
+    stream = Upstream(ROLE, 30.0, DONE)
+    with anyio.fail_after(2), pytest.raises(UpstreamStalled):
+        await collect_text(upstream_response(stream, headers=SSE_HEADERS), stall_timeout=0.1)
+    assert stream.closed
+    big = Upstream(b"x" * 100, b"x" * 100)
+    with pytest.raises(UpstreamError, match="exceeds 150 bytes"):
+        await collect_text(upstream_response(big, headers={"content-type": "application/json"}), max_bytes=150)
+    assert big.closed
+
+
+@pytest.mark.anyio
+async def test_collect_text_invalid_json() -> None:
+    with pytest.raises(UpstreamError, match="not valid JSON"):
+        await collect_text(upstream_response(Upstream(b"<html>"), headers={"content-type": "text/html"}))

@@ -1,0 +1,439 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from asgi_lifetime._sse import (
+    KEEPALIVE,
+    SSEEvent,
+    SSEParser,
+    SSETracker,
+    classify,
+    classify_data,
+    sse_event,
+)
+
+# One stream exercising every line ending, a comment, a multi-line event, names, ids, retry,
+# a field without a colon, an empty-data-less event, non-ASCII text and a BOM.
+STREAM = (
+    b"\xef\xbb\xbf: opening comment\n"
+    b"data: first\n\n"
+    b"event: delta\r\ndata: line one\r\ndata: line two\r\n\r\n"
+    b"id: 7\rdata:no-space\rretry: 1500\r\r"
+    b"event: only-a-name\n\n"
+    b"data\n\n"
+    b"data: caf\xc3\xa9 \xe2\x9c\x93\n"
+    b": comment inside an event\n"
+    b"data:  two spaces\n\n"
+    b"data: [DONE]\n\n"
+    b"data: unterminated at the end"
+)
+EXPECTED = [
+    SSEEvent(data="first"),
+    SSEEvent(data="line one\nline two", event="delta"),
+    SSEEvent(data="no-space", id="7", retry=1500),
+    SSEEvent(data="", id="7"),
+    SSEEvent(data="café ✓\n two spaces", id="7"),
+    SSEEvent(data="[DONE]", id="7"),
+]
+
+
+def parse(*chunks: bytes) -> list[SSEEvent]:
+    parser = SSEParser()
+    events: list[SSEEvent] = []
+    for chunk in chunks:
+        events.extend(parser.feed(chunk))
+    return events
+
+
+def test_whole_stream() -> None:
+    assert parse(STREAM) == EXPECTED
+
+
+@pytest.mark.parametrize("split", range(len(STREAM) + 1))
+def test_every_split_point(split: int) -> None:
+    assert parse(STREAM[:split], STREAM[split:]) == EXPECTED
+
+
+@pytest.mark.parametrize("split", range(0, len(STREAM) + 1, 7))
+def test_three_pieces(split: int) -> None:
+    second = min(len(STREAM), split + 5)
+    assert parse(STREAM[:split], STREAM[split:second], STREAM[second:]) == EXPECTED
+
+
+def test_byte_by_byte() -> None:
+    assert parse(*(STREAM[i : i + 1] for i in range(len(STREAM)))) == EXPECTED
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
+def test_line_endings_are_equivalent(ending: bytes) -> None:
+    raw = ending.join([b"event: x", b"data: a", b"data: b", b"", b"data: c", b"", b""])
+    assert parse(raw) == [SSEEvent(data="a\nb", event="x"), SSEEvent(data="c")]
+
+
+def test_crlf_split_between_cr_and_lf_is_one_line_end() -> None:
+    # If the \n after a chunk-final \r were a second line end, "a" would be dispatched alone.
+    assert parse(b"data: a\r", b"\ndata: b\r\n\r\n") == [SSEEvent(data="a\nb")]
+
+
+def test_comments_and_unknown_fields_are_ignored() -> None:
+    assert parse(b": hi\nfoo: bar\n:\n\n") == []
+    assert parse(KEEPALIVE) == []
+
+
+def test_event_without_data_is_not_dispatched_and_resets_the_name() -> None:
+    assert parse(b"event: ping\n\ndata: x\n\n") == [SSEEvent(data="x")]
+
+
+def test_id_with_nul_is_ignored_and_bad_retry_is_ignored() -> None:
+    assert parse(b"id: a\0b\nretry: 1x\ndata: x\n\n") == [SSEEvent(data="x")]
+
+
+def test_partial_event_at_end_is_not_dispatched() -> None:
+    assert parse(b"data: [DONE]\n") == []
+
+
+def test_line_length_cap_marks_malformed_and_bounds_memory() -> None:
+    parser = SSEParser(limit=1000)
+    assert parser.feed(b"data: ok\n\ndata: ") == [SSEEvent(data="ok")]
+    for _ in range(50):
+        assert parser.feed(b"x" * 100) == []
+    assert parser.malformed
+    assert len(parser._buf) == 0 and parser._data == []
+    # Parsing stopped for good: even well-formed events are not seen any more.
+    assert parser.feed(b"\n\ndata: later\n\n") == []
+
+
+def test_cap_applies_to_a_long_line_inside_one_chunk() -> None:
+    parser = SSEParser(limit=100)
+    assert parser.feed(b"data: " + b"y" * 200 + b"\n\n") == []
+    assert parser.malformed
+
+
+def test_cap_applies_to_many_data_lines_without_a_blank_line() -> None:
+    parser = SSEParser(limit=1000)
+    for _ in range(200):
+        parser.feed(b"data: 0123456789\n")
+    assert parser.malformed
+    assert parser._data == []
+
+
+def test_invalid_limit() -> None:
+    with pytest.raises(ValueError, match="limit=0"):
+        SSEParser(limit=0)
+
+
+@pytest.mark.parametrize(
+    ("fed", "keepalive", "prefix"),
+    [
+        (b"", KEEPALIVE, b""),
+        (b"data: a\n\n", KEEPALIVE, b""),
+        (b"data: a\r\r", KEEPALIVE, b""),
+        (b"data: a\n", b": keep-alive\n", b"\n"),
+        (b"event: x\n", b": keep-alive\n", b"\n"),
+        (b"data: a\r", None, b"\n\n"),
+        (b'data: {"cho', None, b"\n\n"),
+    ],
+)
+def test_injection_points(fed: bytes, keepalive: bytes | None, prefix: bytes) -> None:
+    parser = SSEParser()
+    parser.feed(fed)
+    assert parser.keepalive_bytes() == keepalive
+    assert parser.resync_prefix() == prefix
+    # Whatever the state, prefix + an injected event is parsed as that event, alone.
+    events = parser.feed(prefix + sse_event("error", {"error": {"code": "x"}}))
+    assert events[-1] == SSEEvent(data='{"error":{"code":"x"}}', event="error")
+
+
+def test_malformed_parser_injects_nothing() -> None:
+    parser = SSEParser(limit=10)
+    parser.feed(b"data: 0123456789")
+    assert parser.keepalive_bytes() is None
+    assert parser.resync_prefix() == b"\n\n"
+
+
+def test_sse_event_round_trip() -> None:
+    data = {"error": {"message": "line\nbreak \u2028 ü", "code": "upstream_stalled"}}
+    raw = sse_event("error", data)
+    assert raw.startswith(b"event: error\ndata: ") and raw.endswith(b"\n\n")
+    (event,) = parse(raw)
+    assert event.event == "error" and json.loads(event.data) == data
+
+
+def test_sse_event_rejects_line_break_in_name() -> None:
+    with pytest.raises(ValueError, match="event="):
+        sse_event("a\nb", {})
+
+
+# -- classification ---------------------------------------------------------------------------
+
+C, T, N, E = "content", "terminal", "natural", "error"
+
+
+def chat(**delta: Any) -> dict[str, Any]:
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def chat_finish(reason: str | None, **delta: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+
+
+def gemini(parts: list[dict[str, Any]], finish: str | None = None) -> dict[str, Any]:
+    candidate: dict[str, Any] = {"content": {"role": "model", "parts": parts}}
+    if finish is not None:
+        candidate["finishReason"] = finish
+    return {"candidates": [candidate]}
+
+
+CLASSIFICATION = [
+    # OpenAI chat completions
+    ("oai-role-only", "message", chat(role="assistant"), set()),
+    ("oai-role-empty-content", "message", chat(role="assistant", content=""), set()),
+    ("oai-text", "message", chat(content="Hi"), {C}),
+    ("oai-tool-call", "message", chat(tool_calls=[{"index": 0, "function": {"arguments": ""}}]), {C}),
+    ("oai-empty-tool-calls", "message", chat(tool_calls=[]), set()),
+    ("oai-reasoning", "message", chat(reasoning_content="hmm"), {C}),
+    ("oai-finish-stop", "message", chat_finish("stop"), {T, N}),
+    ("oai-finish-length", "message", chat_finish("length"), {T, N}),
+    ("oai-finish-tool-calls", "message", chat_finish("tool_calls"), {T, N}),
+    ("oai-finish-content-filter", "message", chat_finish("content_filter"), {T, N}),
+    ("oai-finish-abort", "message", chat_finish("abort"), {T}),
+    ("oai-text-and-finish", "message", chat_finish("stop", content="!"), {C, T, N}),
+    ("oai-second-choice-finishes", "message", {"choices": [{"delta": {}}, {"finish_reason": "stop"}]}, {T, N}),
+    ("oai-completions-text", "message", {"choices": [{"text": "x", "finish_reason": None}]}, {C}),
+    ("oai-completions-empty-text", "message", {"choices": [{"text": "", "finish_reason": None}]}, set()),
+    ("oai-usage-only", "message", {"choices": [], "usage": {"total_tokens": 3}}, set()),
+    ("oai-error-payload", "message", {"error": {"message": "overloaded", "type": "server_error"}}, {T, E}),
+    # OpenAI Responses
+    ("resp-created", "response.created", {"type": "response.created", "response": {"status": "in_progress"}}, set()),
+    ("resp-text", "response.output_text.delta", {"type": "response.output_text.delta", "delta": "Hi"}, {C}),
+    ("resp-empty-text", "response.output_text.delta", {"type": "response.output_text.delta", "delta": ""}, set()),
+    (
+        "resp-args",
+        "response.function_call_arguments.delta",
+        {"type": "response.function_call_arguments.delta", "delta": '{"a"'},
+        {C},
+    ),
+    ("resp-completed", "response.completed", {"type": "response.completed", "response": {}}, {T, N}),
+    ("resp-incomplete", "response.incomplete", {"type": "response.incomplete", "response": {}}, {T, N}),
+    ("resp-failed", "response.failed", {"type": "response.failed", "response": {"error": {"message": "x"}}}, {T, E}),
+    ("resp-error", "error", {"type": "error", "code": "server_error", "message": "boom"}, {T, E}),
+    # Anthropic Messages
+    (
+        "anth-message-start",
+        "message_start",
+        {"type": "message_start", "message": {"type": "message", "content": [], "stop_reason": None}},
+        set(),
+    ),
+    ("anth-ping", "ping", {"type": "ping"}, set()),
+    (
+        "anth-text-start",
+        "content_block_start",
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        set(),
+    ),
+    (
+        "anth-tool-start",
+        "content_block_start",
+        {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "t", "input": {}}},
+        {C},
+    ),
+    (
+        "anth-text-delta",
+        "content_block_delta",
+        {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hi"}},
+        {C},
+    ),
+    (
+        "anth-empty-json-delta",
+        "content_block_delta",
+        {"type": "content_block_delta", "delta": {"type": "input_json_delta", "partial_json": ""}},
+        set(),
+    ),
+    (
+        "anth-json-delta",
+        "content_block_delta",
+        {"type": "content_block_delta", "delta": {"type": "input_json_delta", "partial_json": '{"a'}},
+        {C},
+    ),
+    (
+        "anth-thinking-delta",
+        "content_block_delta",
+        {"type": "content_block_delta", "delta": {"type": "thinking_delta", "thinking": "so"}},
+        {C},
+    ),
+    (
+        "anth-signature-delta",
+        "content_block_delta",
+        {"type": "content_block_delta", "delta": {"type": "signature_delta", "signature": "abc"}},
+        set(),
+    ),
+    (
+        "anth-message-delta-end-turn",
+        "message_delta",
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}},
+        {T, N},
+    ),
+    (
+        "anth-message-delta-other",
+        "message_delta",
+        {"type": "message_delta", "delta": {"stop_reason": "overloaded"}},
+        {T},
+    ),
+    ("anth-top-level-stop-reason", "message", {"stop_reason": "max_tokens"}, {T, N}),
+    ("anth-message-stop", "message_stop", {"type": "message_stop"}, {T, N}),
+    ("anth-message-stop-by-name", "message_stop", {}, {T, N}),
+    ("anth-error", "error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}, {T, E}),
+    # Gemini
+    ("gem-text", "message", gemini([{"text": "Hi"}]), {C}),
+    ("gem-empty-text", "message", gemini([{"text": ""}]), set()),
+    ("gem-function-call", "message", gemini([{"functionCall": {"name": "f", "args": {}}}]), {C}),
+    ("gem-thought", "message", gemini([{"text": "hmm", "thought": True}]), {C}),
+    ("gem-stop-with-text", "message", gemini([{"text": "!"}], "STOP"), {C, T, N}),
+    ("gem-stop-empty", "message", gemini([], "STOP"), {T, N}),
+    ("gem-max-tokens", "message", gemini([], "MAX_TOKENS"), {T, N}),
+    ("gem-other", "message", gemini([], "OTHER"), {T}),
+    ("gem-prompt-blocked", "message", {"promptFeedback": {"blockReason": "SAFETY"}}, {T, N}),
+    # Not JSON / not an object
+    ("plain-text", "message", "hello", set()),
+    ("json-list", "message", [1, 2], set()),
+]
+
+
+def _flags(kind: Any) -> set[str]:
+    return {name for name, on in [(C, kind.content), (T, kind.terminal), (N, kind.natural_stop), (E, kind.error)] if on}
+
+
+@pytest.mark.parametrize(
+    ("event", "payload", "expected"),
+    [case[1:] for case in CLASSIFICATION],
+    ids=[case[0] for case in CLASSIFICATION],
+)
+def test_classification(event: str, payload: Any, expected: set[str]) -> None:
+    assert _flags(classify(event, payload)) == expected
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    assert _flags(classify_data(event, data)) == expected
+
+
+def test_done_is_terminal_but_not_natural() -> None:
+    assert _flags(classify_data("message", "[DONE]")) == {T}
+    assert _flags(classify_data("message", " [DONE] ")) == {T}
+
+
+def test_error_event_name_with_non_json_data() -> None:
+    kind = classify_data("error", "upstream exploded")
+    assert kind.error and kind.terminal and not kind.content and kind.message
+
+
+def test_invalid_json_data_is_nothing() -> None:
+    assert _flags(classify_data("message", '{"choices": [')) == set()
+
+
+def test_text_extraction() -> None:
+    assert classify("message", chat(content="Hi")).text == "Hi"
+    assert classify("message", chat(reasoning_content="hmm")).text == ""
+    assert classify("message", gemini([{"text": "a"}, {"text": "think", "thought": True}, {"text": "b"}])).text == "ab"
+
+
+# -- tracker ------------------------------------------------------------------------------------
+
+
+def frames(*events: tuple[str, Any]) -> bytes:
+    out = b""
+    for name, payload in events:
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        out += (f"event: {name}\n" if name != "message" else "").encode() + f"data: {data}\n\n".encode()
+    return out
+
+
+M = "message"
+TRACKER_CASES = [
+    (
+        "oai-success",
+        frames((M, chat(role="assistant")), (M, chat(content="Hi")), (M, chat_finish("stop")), (M, "[DONE]")),
+        False,
+    ),
+    ("oai-no-terminal", frames((M, chat(role="assistant")), (M, chat(content="Hi"))), True),
+    ("oai-role-then-done", frames((M, chat(role="assistant")), (M, "[DONE]")), True),
+    ("oai-empty-natural-stop", frames((M, chat(role="assistant")), (M, chat_finish("stop")), (M, "[DONE]")), False),
+    ("oai-empty-abort", frames((M, chat(role="assistant")), (M, chat_finish("abort")), (M, "[DONE]")), True),
+    ("oai-content-then-abort", frames((M, chat(content="x")), (M, chat_finish("abort"))), False),
+    ("oai-error", frames((M, chat(role="assistant")), ("error", {"error": {"message": "boom"}})), False),
+    ("empty-stream", b"", True),
+    ("only-comments", b": ping\n\n: ping\n\n", True),
+    (
+        "anthropic-success",
+        frames(
+            ("message_start", {"type": "message_start", "message": {"stop_reason": None}}),
+            ("content_block_delta", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hi"}}),
+            ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
+            ("message_stop", {"type": "message_stop"}),
+        ),
+        False,
+    ),
+    (
+        "anthropic-empty-end-turn",
+        frames(
+            ("message_start", {"type": "message_start", "message": {"stop_reason": None}}),
+            ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
+            ("message_stop", {"type": "message_stop"}),
+        ),
+        False,
+    ),
+    (
+        "anthropic-cut-off",
+        frames(
+            ("message_start", {"type": "message_start", "message": {"stop_reason": None}}),
+            ("content_block_delta", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hi"}}),
+        ),
+        True,
+    ),
+    (
+        "responses-success",
+        frames(
+            ("response.output_text.delta", {"type": "response.output_text.delta", "delta": "Hi"}),
+            ("response.completed", {"type": "response.completed", "response": {}}),
+        ),
+        False,
+    ),
+    ("gemini-success", frames((M, gemini([{"text": "Hi"}])), (M, gemini([{"text": "!"}], "STOP"))), False),
+    ("gemini-no-finish", frames((M, gemini([{"text": "Hi"}]))), True),
+]
+
+
+@pytest.mark.parametrize(("raw", "starved"), [c[1:] for c in TRACKER_CASES], ids=[c[0] for c in TRACKER_CASES])
+def test_tracker_starvation(raw: bytes, starved: bool) -> None:
+    tracker = SSETracker()
+    for i in range(0, len(raw), 5):
+        tracker.feed(raw[i : i + 5])
+    assert tracker.starved is starved
+
+
+def test_tracker_flags_and_text() -> None:
+    tracker = SSETracker(keep_text=True)
+    tracker.feed(frames((M, chat(role="assistant"))))
+    assert not tracker.saw_content and not tracker.saw_terminal and tracker.starved
+    tracker.feed(frames((M, chat(content="Hel")), (M, chat(content="lo"))))
+    assert tracker.saw_content and not tracker.saw_terminal
+    tracker.feed(frames((M, chat_finish("stop")), (M, "[DONE]")))
+    assert tracker.saw_terminal and tracker.saw_natural_stop and not tracker.starved
+    assert tracker.text == "Hello"
+
+
+def test_tracker_error_is_terminal_not_content() -> None:
+    tracker = SSETracker()
+    tracker.feed(frames(("error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})))
+    assert tracker.saw_error and tracker.saw_terminal and not tracker.saw_content
+    assert tracker.error_message == "Overloaded"
+    assert not tracker.starved
+
+
+def test_malformed_tracker_without_terminal_is_starved() -> None:
+    tracker = SSETracker(limit=200)
+    tracker.feed(frames((M, chat(content="Hi"))))
+    tracker.feed(b"data: " + b"x" * 300)
+    tracker.feed(b"\n\n" + frames((M, chat_finish("stop")), (M, "[DONE]")))
+    assert tracker.malformed and tracker.saw_content and not tracker.saw_terminal
+    assert tracker.starved
