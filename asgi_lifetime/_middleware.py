@@ -127,10 +127,19 @@ class LifetimeMiddleware:
     inner app to ``take_parsed()`` (the gateway uses it to parse once).
     """
 
-    def __init__(self, app: ASGIApp, *, settings: LifetimeSettings | None = None, handoff_parsed: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        settings: LifetimeSettings | None = None,
+        lifetime: Lifetime | None = None,
+        handoff_parsed: bool = False,
+    ) -> None:
+        if settings is not None and lifetime is not None:
+            raise ValueError("pass either settings= or lifetime= (a Lifetime shared with other parts), not both")
         self.app = app
         self.handoff_parsed = handoff_parsed
-        self._lifetime = Lifetime(settings) if settings is not None else None
+        self._lifetime = lifetime if lifetime is not None else Lifetime(settings) if settings is not None else None
 
     @property
     def lifetime(self) -> Lifetime:

@@ -1,0 +1,181 @@
+"""The gateway's request flow: read -> fingerprint -> prepare -> forward -> relay -> bookkeep.
+
+``LifetimeMiddleware`` (outside) admits the request, reads and fingerprints the body and
+hands over the first parse. ``Forwarder`` (inside) takes it from there. Input lives in an
+``_Input`` holder that ``on_retries_settled`` clears, never in a local of a frame that
+stays suspended while the answer streams.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from ._bookkeeping import Bookkeeper, Outcome, SessionBook, record_outcome
+from ._exceptions import LifetimeError, MalformedBody
+from ._middleware import Lifetime, RequestLifetime, send_error
+from ._prepare import Prepared, Preparer, prepare
+from ._relay import filter_headers, relay
+from ._scope import Resource
+from ._upstream import UpstreamClient
+
+__all__ = ["Forwarder"]
+
+logger = logging.getLogger(__name__)
+
+# Request headers the gateway never forwards as received: the body is re-framed (and was
+# decoded by the middleware), and the upstream's Host is its own.
+_NOT_FORWARDED = frozenset({"host", "content-length", "content-encoding", "transfer-encoding", "expect"})
+
+
+class _Input:
+    """The request's input between read and settle: the only holder of the raw body and parse."""
+
+    __slots__ = ("raw", "parsed", "held")
+
+    def __init__(self, raw: bytes, parsed: Any, held: Resource) -> None:
+        self.raw: bytes | None = raw
+        self.parsed: Any = parsed
+        self.held: Resource | None = held
+
+    def release(self) -> None:
+        """The settle point: nothing of the input stays reachable from here."""
+        self.raw = self.parsed = None
+        held, self.held = self.held, None
+        if held is not None:
+            held.release_now()
+
+
+class Forwarder:
+    """ASGI endpoint for forwarded routes; everything per request lives in ``_handle``'s holders."""
+
+    def __init__(
+        self,
+        *,
+        lifetime: Lifetime,
+        upstream: UpstreamClient,
+        preparers: Sequence[Preparer],
+        bookkeeper: Bookkeeper,
+        book: SessionBook,
+    ) -> None:
+        self.lifetime = lifetime
+        self.settings = lifetime.settings
+        self.upstream = upstream
+        self.preparers = tuple(preparers)
+        self.bookkeeper = bookkeeper
+        self.book = book
+        self._session_header = self.settings.session_header.lower().encode("latin-1")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state: RequestLifetime = scope["state"]["lifetime"]
+        resources = state.resources
+        started = time.monotonic()
+        session_id = self._session_id(scope)
+        if session_id is not None:
+            resources.add(self.book.pin(session_id))
+
+        status, outcome, bytes_out, first_byte_at = 0, "error", 0, None
+        attempts, upstream_url = 0, None
+        try:
+            prepared, held = await self._prepare(scope, receive, state)
+            try:
+                response = await self.upstream.forward(prepared, on_retries_settled=held.release, session_id=session_id)
+            finally:
+                held.release()  # already done at settle; here for the paths that never reached it
+            resources.add(response.aclose)  # closed when the request settles, whatever happens below
+            attempts = int(response.extensions.get("asgi_lifetime.attempts", 1))
+            upstream_url = response.extensions.get("asgi_lifetime.upstream")
+            if prepared.body is not None:
+                resources.retain(len(prepared.body))  # the retained outbound body, for one re-issue
+
+            async def reissue() -> httpx.Response | None:
+                return await self.upstream.reissue(prepared, session_id=session_id)
+
+            result = await relay(
+                response,
+                send=send,
+                receive=receive,
+                stall_timeout=self.settings.stall_timeout,
+                keepalive_interval=self.settings.keepalive_interval,
+                reissue=reissue if prepared.body is not None else None,
+                counters=self.lifetime.counters,
+            )
+            prepared.release_body()
+            status, outcome, bytes_out, first_byte_at = (
+                result.status,
+                result.outcome,
+                result.bytes_out,
+                result.first_byte_at,
+            )
+        except LifetimeError as exc:
+            status = exc.status_code
+            await send_error(send, exc)
+        finally:
+            await record_outcome(
+                self.bookkeeper,
+                Outcome(
+                    fingerprint=state.fingerprint,
+                    session_id=session_id,
+                    path=scope["path"],
+                    status=status,
+                    bytes_out=bytes_out,
+                    attempts=attempts,
+                    upstream=upstream_url,
+                    started=started,
+                    first_byte_at=first_byte_at,
+                    ended=time.monotonic(),
+                    outcome=outcome,
+                ),
+            )
+
+    async def _prepare(self, scope: Scope, receive: Receive, state: RequestLifetime) -> tuple[Prepared, _Input]:
+        # This frame returns before forwarding starts, so its locals never outlive preparation.
+        message = await receive()  # the middleware's replay: the whole body, once
+        raw: bytes = message.get("body", b"")
+        del message
+        try:
+            parsed: Any = state.take_parsed()
+        except LookupError:
+            if raw and _is_json(scope):
+                raise MalformedBody("request body is not valid JSON", code="invalid_json") from None
+            parsed = None
+        held = _Input(raw, parsed, state.resources.retain(len(raw)))
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in filter_headers(scope["headers"])
+            if k.decode("latin-1").lower() not in _NOT_FORWARDED
+        ]
+        path = scope["path"][len(scope.get("root_path", "")) :] if scope.get("root_path") else scope["path"]
+        if scope.get("query_string"):
+            path += "?" + scope["query_string"].decode("latin-1")
+        prepared = await prepare(
+            raw,
+            parsed,
+            preparers=self.preparers if parsed is not None else (),
+            fingerprint=state.fingerprint,
+            session_id=self._session_id(scope),
+            method=scope["method"],
+            path=path,
+            headers=headers,
+            scope=state.resources,
+        )
+        held.parsed = None  # the refold/remap closures in `prepared` are its holders now
+        return prepared, held
+
+    def _session_id(self, scope: Scope) -> str | None:
+        for key, value in scope["headers"]:
+            if key == self._session_header:
+                return value.decode("latin-1").strip() or None
+        return None
+
+
+def _is_json(scope: Scope) -> bool:
+    for key, value in scope["headers"]:
+        if key == b"content-type":
+            return b"json" in value.lower()
+    return True
