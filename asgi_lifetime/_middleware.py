@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from blake3 import blake3
@@ -19,7 +19,7 @@ from ._scope import RequestScope, Resource
 from ._settings import LifetimeSettings
 from ._stats import Counters, LifetimeStats
 
-__all__ = ["Lifetime", "LifetimeMiddleware", "RequestLifetime", "send_error"]
+__all__ = ["Lifetime", "LifetimeMiddleware", "RequestLifetime", "route_path", "send_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,7 @@ class Lifetime:
         """Whether a scope is an HTTP request under one of the configured path prefixes."""
         if scope["type"] != "http":
             return False
-        path: str = scope["path"]
-        root: str = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]
+        path = route_path(scope)
         return any(path.startswith(p) or path == p.rstrip("/") for p in self.settings.paths)
 
 
@@ -265,13 +262,21 @@ def _count(counters: Counters, exc: LifetimeError) -> None:
         counters.timed_out += 1
 
 
-async def send_error(send: Send, exc: LifetimeError) -> None:
+def route_path(scope: Scope) -> str:
+    """The request path relative to where the app is mounted (``root_path`` removed)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+async def send_error(send: Send, exc: LifetimeError, *, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Send ``exc`` as a complete OpenAI-style JSON error response."""
     body = exc.json_body()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         *((k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()),
+        *extra_headers,
     ]
     await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
