@@ -41,7 +41,9 @@ __all__ = ["OUTCOMES", "Bookkeeper", "Outcome", "SessionBook", "SessionEntry", "
 
 logger = logging.getLogger(__name__)
 
-OUTCOMES: Final = frozenset({"complete", "client_disconnected", "stalled", "starved", "upstream_error", "error"})
+OUTCOMES: Final = frozenset(
+    {"complete", "client_disconnected", "stalled", "starved", "upstream_error", "shutdown", "error"}
+)
 """The values ``Outcome.outcome`` may take."""
 
 # A user bookkeeper that awaits is bounded (and shielded, so a cancelled request is still

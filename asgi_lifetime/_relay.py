@@ -31,7 +31,14 @@ import anyio
 import httpx
 from starlette.types import Message, Receive, Send
 
-from ._exceptions import LifetimeError, StarvationError, UpstreamError, UpstreamStalled, UpstreamTimeout
+from ._exceptions import (
+    AdmissionRejected,
+    LifetimeError,
+    StarvationError,
+    UpstreamError,
+    UpstreamStalled,
+    UpstreamTimeout,
+)
 from ._json import JSONDecodeFailure, loads
 from ._sse import SSETracker, classify, sse_event
 from ._stats import Counters
@@ -40,7 +47,7 @@ __all__ = ["HOP_BY_HOP", "Outcome", "RelayResult", "collect_text", "filter_heade
 
 logger = logging.getLogger(__name__)
 
-Outcome = Literal["complete", "client_disconnected", "stalled", "starved", "upstream_error"]
+Outcome = Literal["complete", "client_disconnected", "stalled", "starved", "upstream_error", "shutdown"]
 
 HOP_BY_HOP: frozenset[str] = frozenset(
     {
@@ -144,8 +151,11 @@ class _Relay:
         reissue: Callable[[], Awaitable[httpx.Response | None]] | None,
         counters: Counters | None,
         on_first_byte: Callable[[], None] | None,
+        stop: anyio.Event | None = None,
     ) -> None:
         self.send = send
+        self.stop = stop
+        self.stop_scope = anyio.CancelScope()
         self.stall_timeout = stall_timeout
         self.keepalive_interval = keepalive_interval
         self.reissue = reissue
@@ -183,8 +193,17 @@ class _Relay:
                 tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
                 if self.inband:
                     tg.start_soon(self._keepalives, tg.cancel_scope)
+                if self.stop is not None:
+                    tg.start_soon(self._watch_stop, self.stop)
                 try:
-                    outcome = await self._relay(response)
+                    with self.stop_scope:
+                        outcome = await self._relay(response)
+                    if self.stop_scope.cancelled_caught:
+                        # Graceful shutdown ran out of grace: end the stream with a clear error.
+                        await self._fail(
+                            AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
+                        )
+                        outcome = "shutdown"
                 except Exception as exc:  # re-raised below, unwrapped from the task group's ExceptionGroup
                     error = exc
                 tg.cancel_scope.cancel()
@@ -218,6 +237,10 @@ class _Relay:
                 # Anything else (a late http.request) is of no interest while relaying.
         except Exception:
             logger.debug("receive() failed while watching for a disconnect", exc_info=True)
+
+    async def _watch_stop(self, stop: anyio.Event) -> None:
+        await stop.wait()
+        self.stop_scope.cancel()
 
     async def _keepalives(self, scope: anyio.CancelScope) -> None:
         """While the upstream is quiet, send a keep-alive every ``keepalive_interval`` of client silence."""
@@ -447,6 +470,7 @@ async def relay(
     reissue: Callable[[], Awaitable[httpx.Response | None]] | None = None,
     counters: Counters | None = None,
     on_first_byte: Callable[[], None] | None = None,
+    stop: anyio.Event | None = None,
 ) -> RelayResult:
     """Stream an open httpx response (``client.send(request, stream=True)``) to an ASGI client.
 
@@ -454,6 +478,8 @@ async def relay(
     any content; it returns a new open response (relayed into the same client response) or
     None. ``counters.stalled`` / ``counters.starved`` count each stalled / starved upstream
     response. The upstream response (and a re-issued one) is always closed on return.
+    ``stop``, when set, ends the stream early (graceful shutdown out of grace): a 503 if
+    nothing was sent yet, else an in-band SSE ``error`` event with code ``shutting_down``.
     """
     if stall_timeout <= 0:
         raise ValueError(f"stall_timeout={stall_timeout} is invalid: must be greater than 0")
@@ -466,6 +492,7 @@ async def relay(
         reissue=reissue,
         counters=counters,
         on_first_byte=on_first_byte,
+        stop=stop,
     )
     return await state.run(response, receive)
 

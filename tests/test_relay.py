@@ -982,3 +982,46 @@ async def test_collect_text_stall_and_size_limit() -> None:
 async def test_collect_text_invalid_json() -> None:
     with pytest.raises(UpstreamError, match="not valid JSON"):
         await collect_text(upstream_response(Upstream(b"<html>"), headers={"content-type": "text/html"}))
+
+
+# -- graceful shutdown: the stop event -------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
+    stream = Upstream(ROLE + sse(delta(content="Hi")), 30.0, DONE)
+    stop = anyio.Event()
+    client = Client()
+
+    async def stop_after_first_byte() -> None:
+        await client.body_seen.wait()
+        stop.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop_after_first_byte)
+        result = await run(upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=10, stop=stop)
+    assert result.outcome == "shutdown"
+    assert client.status == 200 and client.ended
+    error = client.error_event()
+    assert error["code"] == "shutting_down"
+    assert stream.closed
+
+
+@pytest.mark.anyio
+async def test_stop_before_first_byte_is_a_503_with_retry_after() -> None:
+    stream = Upstream(30.0, DONE)
+    stop = anyio.Event()
+    stop.set()
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=10, stop=stop)
+    assert result.outcome == "shutdown"
+    assert client.status == 503 and client.headers["retry-after"] == "1"
+    assert json.loads(client.body)["error"]["code"] == "shutting_down"
+    assert stream.closed
+
+
+@pytest.mark.anyio
+async def test_unset_stop_changes_nothing() -> None:
+    stream = Upstream(ROLE, sse(delta(content="Hi")), sse(finish()), DONE)
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), Client(), stop=anyio.Event())
+    assert result.outcome == "complete"
