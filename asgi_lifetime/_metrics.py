@@ -1,0 +1,596 @@
+"""Prometheus metrics for the gateway: ``GatewayMetrics`` and the ``GET /metrics`` route.
+
+Two sources feed the metrics (docs/metrics.md lists them all):
+
+- **Per request**, from the ``Outcome`` scalars handed to ``GatewayMetrics.record`` (it is a
+  bookkeeper) and from the upstream client's ``AttemptEvent``\\ s (``on_attempt`` is a
+  listener): requests by status, upstream and outcome, time to first byte and duration
+  histograms, response bytes, extra attempts by kind and reason class.
+- **Live state**, read from the gateway's own ``Counters`` and ``UpstreamClient.describe()``:
+  the gauges (in-flight requests and bytes, retained input, live resources, pinned
+  sessions, per-upstream in flight and cool-off) and the totals the middleware already
+  counts (admitted, admission rejections, aborted / too large / timed-out bodies,
+  starvations, stalls). Nothing is counted twice: those numbers have one owner, ``Counters``.
+
+Labels are bounded by construction: ``status`` is the exact status code, ``upstream`` the
+configured base URL without user info or query (at most 64 distinct values, then
+``other``), ``outcome`` one of ``OUTCOMES``, ``kind`` and ``reason`` fixed sets. Never the
+path, the session id, a key or a body.
+
+**One process** (``PROMETHEUS_MULTIPROC_DIR`` not set): each ``GatewayMetrics`` has its own
+``CollectorRegistry`` (not the global one, so several apps or tests in one process do not
+collide). The live state is read at scrape time by a custom collector in that registry.
+
+**Several workers** (``uvicorn --workers N``; ``PROMETHEUS_MULTIPROC_DIR`` set): a scrape
+reaches one worker, and a custom collector can only see the worker it runs in. So in this
+mode every value goes through prometheus_client's multiprocess files, which the scraped
+worker merges with ``MultiProcessCollector`` (over a registry of its own):
+
+- Per-request metrics are ordinary ``Counter`` / ``Histogram`` objects; their values are
+  written to the worker's file as they change, and summed over all workers, past ones
+  included (counter semantics).
+- The live state is *mirrored*: each worker copies its ``Counters`` into ``Gauge``\\ s with
+  ``multiprocess_mode="livesum"`` (summed over live workers; ``livemax`` for
+  ``upstream_down``: down if any worker has it cooling off) and advances ``Counter``\\ s by
+  the increase of each total since the last copy. The copy runs in a daemon thread every
+  ``sync_interval`` seconds (a worker's gauges must track it even when it is never the one
+  scraped, and must drop to 0 when it goes idle), before every render in the scraped
+  worker, and at ``close()`` / garbage collection / interpreter exit (final totals; gauges
+  back to 0). Reading plain ints from another thread is safe; a copy may mix values from
+  both sides of one event-loop step, which is within a scrape's precision anyway.
+- A worker that dies without exiting cleanly leaves its ``live*`` gauge file behind; before
+  rendering, the scraped worker removes the files of processes that no longer exist
+  (``mark_process_dead``; POSIX only). Its totals stay, as they should.
+- Metric objects belong to the process, not to an instance (the files are per process, so
+  two instances' objects would overwrite each other's values); several ``GatewayMetrics``
+  in one worker share them, and the gauges are the sum over the worker's instances.
+
+Requirements of that mode, as for any prometheus_client multiprocess setup: the directory
+must exist, be set in the environment before the process starts (prometheus_client picks
+its value storage when it is imported; ``GatewayMetrics`` raises ``ValueError`` if the
+variable appeared later), and be emptied before the server starts (files of a previous
+run would be added to this one's totals)::
+
+    rm -rf /run/asgi-lifetime-metrics && mkdir -p /run/asgi-lifetime-metrics
+    PROMETHEUS_MULTIPROC_DIR=/run/asgi-lifetime-metrics uvicorn --workers 4 --factory asgi_lifetime.gateway:create_app
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import anyio.to_thread
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import values as _prometheus_values
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ._access_log import public_url
+from ._bookkeeping import OUTCOMES, Outcome
+from ._stats import Counters, LifetimeStats
+
+if TYPE_CHECKING:
+    from ._upstream import AttemptEvent
+
+__all__ = [
+    "CONTENT_TYPE",
+    "LATENCY_BUCKETS",
+    "MULTIPROC_DIR_ENV",
+    "PREFIX",
+    "GatewayMetrics",
+    "make_metrics_route",
+]
+
+logger = logging.getLogger(__name__)
+
+PREFIX: Final = "asgi_lifetime_"
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text format that ``generate_latest`` writes."""
+MULTIPROC_DIR_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+LATENCY_BUCKETS: Final = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+"""Histogram buckets in seconds, 5 ms to 10 min: a cached short answer up to a long agent stream."""
+
+_MAX_UPSTREAM_LABELS: Final = 64
+_OVERFLOW_LABEL: Final = "other"
+_NO_UPSTREAM_LABEL: Final = "none"
+
+# (metric name without prefix, Counters field, help). Read at scrape time, or mirrored.
+_GAUGES: Final = (
+    ("inflight_requests", "inflight_requests", "Requests admitted and not yet settled."),
+    ("inflight_bytes", "inflight_bytes", "Bytes of the admission byte budget held by in-flight requests."),
+    ("retained_input_bytes", "retained_input_bytes", "Request input bytes held right now (raw and outbound bodies)."),
+    ("live_resources", "live_resources", "Per-request resources acquired and not yet released."),
+    ("pinned_sessions", "pinned_sessions", "Session pins held by in-flight requests."),
+)  # fmt: skip
+_TOTALS: Final = (
+    ("admitted", "admitted", "Requests admitted."),
+    ("admission_rejections", "rejected", "Requests rejected by admission (busy or shutting down: 503)."),
+    ("body_aborted", "aborted", "Requests whose client went away before the body was read."),
+    ("body_too_large", "too_large", "Requests refused because the body exceeded the size limit (413)."),
+    ("body_timed_out", "timed_out", "Requests whose body stopped arriving (idle timeout)."),
+    ("completed", "completed", "Requests the wrapped app finished handling."),
+    ("starvations", "starved", "Upstream streams that ended with no output or no terminal event (re-issued or not)."),
+    ("stalls", "stalled", "Upstream streams that sent nothing for the stall timeout."),
+)  # fmt: skip
+_UPSTREAM_INFLIGHT: Final = ("upstream_inflight", "Attempts in flight on the upstream.")
+_UPSTREAM_DOWN: Final = ("upstream_down", "1 while the upstream is cooling off after a failed connect, else 0.")
+_UPSTREAM_ATTEMPTS: Final = ("upstream_attempts", "Attempts sent to the upstream.")
+_UPSTREAM_FAILURES: Final = ("upstream_failures", "Failures that put the upstream into cool-off.")
+
+_REQUESTS: Final = ("requests", "Forwarded requests by final status, upstream and outcome.")
+_ATTEMPTS: Final = ("attempts", "Extra upstream attempts by kind (retry, refold, role) and reason class.")
+_RESPONSE_BYTES: Final = ("response_bytes", "Response body bytes sent to clients.")
+_TTFB: Final = ("time_to_first_byte_seconds", "Seconds from admission to the first response body byte.")
+_DURATION: Final = ("request_duration_seconds", "Seconds from admission to the end of the response.")
+
+_ATTEMPT_KINDS: Final = frozenset({"retry", "refold", "role"})
+
+
+def _status_label(status: int) -> str:
+    return str(status) if 0 <= status <= 999 else _OVERFLOW_LABEL
+
+
+def _reason_class(event: AttemptEvent) -> str:
+    """A fixed-set class for an attempt's free-text reason."""
+    if event.kind == "refold":
+        return "context_overflow"
+    if event.kind == "role":
+        return "role_rejected"
+    status = event.status
+    if status is not None:
+        if 200 <= status < 300:
+            return "no_output"  # a re-issue after a starved stream
+        if status == 429:
+            return "rate_limited"
+        return "server_error" if status >= 500 else "http_error"
+    reason = event.reason.lower()
+    if "connect" in reason:
+        return "connect"
+    if "timeout" in reason or "no response headers" in reason:
+        return "timeout"
+    return "transport"
+
+
+class _UpstreamLabels:
+    """Base URL -> label: credentials and query removed, at most ``_MAX_UPSTREAM_LABELS`` values."""
+
+    __slots__ = ("_cache", "_labels", "_lock")
+
+    def __init__(self) -> None:
+        self._cache: dict[str, str] = {}
+        self._labels: set[str] = set()
+        self._lock = threading.Lock()  # the multiprocess sync thread labels too
+
+    def __call__(self, url: str | None) -> str:
+        if url is None:
+            return _NO_UPSTREAM_LABEL
+        label = self._cache.get(url)
+        if label is not None:
+            return label
+        label = public_url(url)
+        with self._lock:
+            if label not in self._labels:
+                if len(self._labels) >= _MAX_UPSTREAM_LABELS:
+                    return _OVERFLOW_LABEL
+                self._labels.add(label)
+            if len(self._cache) < 4 * _MAX_UPSTREAM_LABELS:
+                self._cache[url] = label
+        return label
+
+
+@dataclass(slots=True)
+class _UpstreamView:
+    inflight: int = 0
+    down: bool = False
+    attempts: int = 0
+    failures: int = 0
+
+
+def _int(value: object) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def _upstream_views(
+    describe: Callable[[], list[dict[str, object]]], labels: _UpstreamLabels
+) -> dict[str, _UpstreamView]:
+    """``describe()`` summed per label (two URLs may differ only in what the label drops)."""
+    views: dict[str, _UpstreamView] = {}
+    for item in describe():
+        url = item.get("url")
+        if not isinstance(url, str):
+            continue
+        view = views.setdefault(labels(url), _UpstreamView())
+        view.inflight += _int(item.get("inflight"))
+        view.down = view.down or item.get("down_for") is not None
+        view.attempts += _int(item.get("requests"))
+        view.failures += _int(item.get("failures"))
+    return views
+
+
+class _RequestMetrics:
+    """The metrics fed by ``record`` and ``on_attempt``."""
+
+    __slots__ = ("requests", "attempts", "response_bytes", "ttfb", "duration")
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        name, doc = _REQUESTS
+        self.requests = Counter(PREFIX + name, doc, ["status", "upstream", "outcome"], registry=registry)
+        name, doc = _ATTEMPTS
+        self.attempts = Counter(PREFIX + name, doc, ["kind", "reason"], registry=registry)
+        name, doc = _RESPONSE_BYTES
+        self.response_bytes = Counter(PREFIX + name, doc, registry=registry)
+        name, doc = _TTFB
+        self.ttfb = Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, registry=registry)
+        name, doc = _DURATION
+        self.duration = Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class _LiveStateCollector:
+    """One process: the live state read from ``Counters`` and ``describe()`` at scrape time."""
+
+    def __init__(
+        self,
+        counters: Counters,
+        describe_upstreams: Callable[[], list[dict[str, object]]],
+        labels: _UpstreamLabels,
+    ) -> None:
+        self._counters = counters
+        self._describe = describe_upstreams
+        self._labels = labels
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(None, {})
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self._counters.snapshot(), _upstream_views(self._describe, self._labels))
+
+    @staticmethod
+    def _families(stats: LifetimeStats | None, views: dict[str, _UpstreamView]) -> Iterator[Metric]:
+        for name, field, doc in _GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=None if stats is None else getattr(stats, field))
+        for name, field, doc in _TOTALS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=None if stats is None else getattr(stats, field))
+        inflight = GaugeMetricFamily(PREFIX + _UPSTREAM_INFLIGHT[0], _UPSTREAM_INFLIGHT[1], labels=["upstream"])
+        down = GaugeMetricFamily(PREFIX + _UPSTREAM_DOWN[0], _UPSTREAM_DOWN[1], labels=["upstream"])
+        attempts = CounterMetricFamily(PREFIX + _UPSTREAM_ATTEMPTS[0], _UPSTREAM_ATTEMPTS[1], labels=["upstream"])
+        failures = CounterMetricFamily(PREFIX + _UPSTREAM_FAILURES[0], _UPSTREAM_FAILURES[1], labels=["upstream"])
+        for label, view in sorted(views.items()):
+            inflight.add_metric([label], view.inflight)
+            down.add_metric([label], 1 if view.down else 0)
+            attempts.add_metric([label], view.attempts)
+            failures.add_metric([label], view.failures)
+        yield from (inflight, down, attempts, failures)
+
+
+class _Mirror:
+    """Several workers: the live state as multiprocess ``Gauge`` / ``Counter`` objects."""
+
+    __slots__ = ("gauges", "totals", "upstream_inflight", "upstream_down", "upstream_attempts", "upstream_failures")
+
+    def __init__(self) -> None:
+        self.gauges = {
+            name: Gauge(PREFIX + name, doc, registry=None, multiprocess_mode="livesum") for name, _, doc in _GAUGES
+        }
+        self.totals = {name: Counter(PREFIX + name, doc, registry=None) for name, _, doc in _TOTALS}
+        name, doc = _UPSTREAM_INFLIGHT
+        self.upstream_inflight = Gauge(PREFIX + name, doc, ["upstream"], registry=None, multiprocess_mode="livesum")
+        name, doc = _UPSTREAM_DOWN
+        self.upstream_down = Gauge(PREFIX + name, doc, ["upstream"], registry=None, multiprocess_mode="livemax")
+        name, doc = _UPSTREAM_ATTEMPTS
+        self.upstream_attempts = Counter(PREFIX + name, doc, ["upstream"], registry=None)
+        name, doc = _UPSTREAM_FAILURES
+        self.upstream_failures = Counter(PREFIX + name, doc, ["upstream"], registry=None)
+
+
+class _Source:
+    """One ``GatewayMetrics``' live state, as the process-wide mirror sees it (no reference back)."""
+
+    __slots__ = ("counters", "describe", "synced", "upstreams", "__weakref__")
+
+    def __init__(self, counters: Counters, describe: Callable[[], list[dict[str, object]]]) -> None:
+        self.counters = counters
+        self.describe = describe
+        self.synced: dict[tuple[str, str], int] = {}
+        """The value of each total at the last copy; the mirror counters advance by the difference."""
+        self.upstreams: dict[str, _UpstreamView] = {}
+        """The last ``describe()`` that succeeded."""
+
+    def advance(self, counter: Counter, key: tuple[str, str], value: int) -> None:
+        delta = value - self.synced.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self.synced[key] = value
+
+
+class _Process:
+    """The multiprocess state of this process: metric objects, the instances' sources, the sync thread."""
+
+    def __init__(self, directory: str, value_class: object) -> None:
+        self.directory = directory
+        self.value_class = value_class
+        self.labels = _UpstreamLabels()
+        self.metrics = _RequestMetrics(None)
+        self.mirror = _Mirror()
+        self.sources: set[_Source] = set()
+        self.seen_upstreams: set[str] = set()
+        self.interval = float("inf")
+        self.lock = threading.RLock()  # RLock: a finalizer may run retire() from a GC inside sync()
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.thread_pid = 0
+
+    def add(self, source: _Source, interval: float) -> None:
+        with self.lock:
+            self.sources.add(source)
+            if interval < self.interval:
+                self.interval = interval
+                self.wake.set()  # a sleeping thread picks the shorter interval up
+        self.ensure_thread()
+
+    def retire(self, source: _Source) -> None:
+        """Final copy of ``source``'s totals; its gauges leave the sums."""
+        with self.lock:
+            if source not in self.sources:
+                return
+            self._copy_source(source)
+            self.sources.discard(source)
+            self.sync()
+            if not self.sources:
+                self.wake.set()
+
+    def ensure_thread(self) -> None:
+        thread = self.thread
+        if thread is not None and thread.is_alive() and self.thread_pid == os.getpid():
+            return
+        with self.lock:
+            thread = self.thread
+            if not self.sources or (thread is not None and thread.is_alive() and self.thread_pid == os.getpid()):
+                return
+            self.thread = threading.Thread(target=self._run, name="asgi_lifetime.metrics-sync", daemon=True)
+            self.thread_pid = os.getpid()
+            self.thread.start()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while True:
+            self.wake.wait(self.interval)
+            self.wake.clear()
+            with self.lock:
+                if self.thread is not me or not self.sources:
+                    if self.thread is me:
+                        self.thread = None
+                    return
+            try:
+                self.sync()
+            except Exception:
+                logger.exception("copying the gateway counters to the multiprocess metrics failed")
+
+    def sync(self) -> None:
+        """Copy every source's live state into the mirror."""
+        with self.lock:
+            gauges = dict.fromkeys(self.mirror.gauges, 0)
+            inflight: dict[str, int] = {}
+            down: dict[str, int] = {}
+            for source in list(self.sources):
+                stats = source.counters.snapshot()
+                for name, field, _ in _GAUGES:
+                    gauges[name] += getattr(stats, field)
+                self._copy_source(source, stats)
+                for label, view in source.upstreams.items():
+                    inflight[label] = inflight.get(label, 0) + view.inflight
+                    down[label] = max(down.get(label, 0), 1 if view.down else 0)
+            for name, value in gauges.items():
+                self.mirror.gauges[name].set(value)
+            self.seen_upstreams.update(inflight)
+            for label in self.seen_upstreams:  # an upstream no instance reports any more goes to 0
+                self.mirror.upstream_inflight.labels(upstream=label).set(inflight.get(label, 0))
+                self.mirror.upstream_down.labels(upstream=label).set(down.get(label, 0))
+
+    def _copy_source(self, source: _Source, stats: LifetimeStats | None = None) -> None:
+        if stats is None:
+            stats = source.counters.snapshot()
+        for name, field, _ in _TOTALS:
+            source.advance(self.mirror.totals[name], (name, ""), getattr(stats, field))
+        try:
+            source.upstreams = _upstream_views(source.describe, self.labels)
+        except Exception:
+            logger.debug("describe_upstreams failed; keeping its last answer", exc_info=True)
+        mirror = self.mirror
+        for label, view in source.upstreams.items():
+            source.advance(mirror.upstream_attempts.labels(upstream=label), ("upstream_attempts", label), view.attempts)
+            source.advance(mirror.upstream_failures.labels(upstream=label), ("upstream_failures", label), view.failures)
+
+    def after_fork(self) -> None:
+        # The thread did not survive the fork and the lock may be held by it: start over.
+        self.lock = threading.RLock()
+        self.wake = threading.Event()
+        self.thread = None
+
+
+_process_lock = threading.Lock()
+_process: _Process | None = None
+
+
+def _process_for(directory: str) -> _Process:
+    """This process's multiprocess state for ``directory`` and the current prometheus value storage."""
+    global _process
+    value_class = _prometheus_values.ValueClass
+    with _process_lock:
+        if _process is None or _process.directory != directory or _process.value_class is not value_class:
+            _process = _Process(directory, value_class)
+        return _process
+
+
+def _after_fork_in_child() -> None:
+    global _process_lock
+    _process_lock = threading.Lock()
+    if _process is not None:
+        _process.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # e.g. PermissionError: it exists, as another user
+    return True
+
+
+def _remove_dead_processes(directory: str) -> None:
+    """Drop the ``live*`` gauge files of workers that died without cleaning up (POSIX only)."""
+    if os.name != "posix":
+        return  # os.kill(pid, 0) would terminate the process on Windows
+    own = os.getpid()
+    pids: set[int] = set()
+    for path in glob.glob(os.path.join(glob.escape(directory), "gauge_live*_*.db")):
+        suffix = os.path.basename(path)[: -len(".db")].rsplit("_", 1)[-1]
+        if suffix.isdigit() and int(suffix) != own:
+            pids.add(int(suffix))
+    for pid in pids:
+        if not _process_exists(pid):
+            try:
+                mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+            except OSError:
+                pass  # another worker removed them first
+
+
+def _retire(process: _Process, source: _Source) -> None:
+    try:
+        process.retire(source)
+    except Exception:
+        logger.debug("final copy of the gateway counters failed", exc_info=True)
+
+
+class GatewayMetrics:
+    """Prometheus metrics for the gateway; a bookkeeper and an attempt listener.
+
+    ```python
+    metrics = GatewayMetrics(counters=lifetime.counters, describe_upstreams=upstream.describe)
+    upstream = UpstreamClient(settings=settings, counters=lifetime.counters, listener=metrics.on_attempt)
+    await record_outcome(metrics, outcome)          # at the end of each response
+    app.routes.append(make_metrics_route(metrics))  # GET /metrics
+    ```
+
+    ``registry``: where the metrics are registered (default: a new ``CollectorRegistry`` of
+    this instance). With ``PROMETHEUS_MULTIPROC_DIR`` set it gets a ``MultiProcessCollector``
+    instead (see the module docstring), and ``sync_interval`` is how often, in seconds, this
+    worker copies its counters to the shared files.
+    """
+
+    def __init__(
+        self,
+        *,
+        counters: Counters,
+        describe_upstreams: Callable[[], list[dict[str, object]]],
+        registry: CollectorRegistry | None = None,
+        sync_interval: float = 1.0,
+    ) -> None:
+        if not (isinstance(sync_interval, (int, float)) and 0 < sync_interval < float("inf")):
+            raise ValueError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
+        self._counters = counters
+        self._describe = describe_upstreams
+        self.registry = registry if registry is not None else CollectorRegistry()
+        """The registry ``render`` exposes."""
+        directory = os.environ.get(MULTIPROC_DIR_ENV)
+        if directory is None:
+            self._process: _Process | None = None
+            self._directory = ""
+            self._labels = _UpstreamLabels()
+            self._metrics = _RequestMetrics(self.registry)
+            self.registry.register(_LiveStateCollector(counters, describe_upstreams, self._labels))
+            return
+        if not directory or not os.path.isdir(directory):
+            raise ValueError(f"{MULTIPROC_DIR_ENV} must name an existing directory, got {directory!r}")
+        if _prometheus_values.ValueClass is _prometheus_values.MutexValue:
+            raise ValueError(
+                f"{MULTIPROC_DIR_ENV}={directory!r} was set after prometheus_client was imported, which then "
+                "chose single-process storage; set it in the environment before the process starts"
+            )
+        process = _process_for(directory)
+        self._process = process
+        self._directory = directory
+        self._labels = process.labels
+        self._metrics = process.metrics
+        MultiProcessCollector(self.registry, path=directory)  # type: ignore[no-untyped-call]
+        source = _Source(counters, describe_upstreams)
+        process.add(source, float(sync_interval))
+        # Final totals and gauges out at close(), garbage collection or interpreter exit.
+        self._finalizer = weakref.finalize(self, _retire, process, source)
+
+    @property
+    def multiprocess(self) -> bool:
+        """True when the metrics are shared through ``PROMETHEUS_MULTIPROC_DIR``."""
+        return self._process is not None
+
+    def record(self, outcome: Outcome) -> None:
+        """Count one finished request (a ``Bookkeeper``)."""
+        metrics = self._metrics
+        outcome_label = outcome.outcome if outcome.outcome in OUTCOMES else "error"
+        metrics.requests.labels(
+            status=_status_label(outcome.status), upstream=self._labels(outcome.upstream), outcome=outcome_label
+        ).inc()
+        if outcome.bytes_out > 0:
+            metrics.response_bytes.inc(outcome.bytes_out)
+        ttfb = outcome.ttfb
+        if ttfb is not None:
+            metrics.ttfb.observe(max(0.0, ttfb))
+        metrics.duration.observe(max(0.0, outcome.duration))
+        if self._process is not None:
+            self._process.ensure_thread()
+
+    def on_attempt(self, event: AttemptEvent) -> None:
+        """Count a retry, refold or role remap (an ``UpstreamClient`` listener); ``settled`` is ignored."""
+        if event.kind in _ATTEMPT_KINDS:
+            self._metrics.attempts.labels(kind=event.kind, reason=_reason_class(event)).inc()
+
+    def sync(self) -> None:
+        """Copy this process's counters to the multiprocess files now (no-op in one process)."""
+        if self._process is not None:
+            self._process.sync()
+
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content type)`` of the Prometheus text exposition, for ``GET /metrics``."""
+        if self._process is not None:
+            self._process.ensure_thread()
+            self._process.sync()
+            _remove_dead_processes(self._directory)
+        return generate_latest(self.registry), CONTENT_TYPE
+
+    def close(self) -> None:
+        """Multiprocess: copy the final totals and take this instance out of the gauges. Idempotent."""
+        if self._process is not None:
+            self._finalizer()
+
+
+def make_metrics_route(metrics: GatewayMetrics, *, path: str = "/metrics") -> Route:
+    """A Starlette ``Route`` serving ``metrics.render()`` on ``GET path``.
+
+    In multiprocess mode rendering reads every worker's file, so it runs in a worker thread.
+    """
+
+    async def endpoint(request: Request) -> Response:
+        if metrics.multiprocess:
+            body, content_type = await anyio.to_thread.run_sync(metrics.render)
+        else:
+            body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return Route(path, endpoint, methods=["GET"], name="metrics")

@@ -1,0 +1,216 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+
+import pytest
+
+from asgi_lifetime._access_log import ACCESS_LOGGER, AccessLog, public_path, public_url, session_hash
+from asgi_lifetime._bookkeeping import Bookkeeper, Outcome, record_outcome
+from asgi_lifetime._fingerprint import Fingerprint, fingerprint
+
+WIRE_HASH = "0123456789abcdef" * 4
+FIELDS = [
+    "path",
+    "status",
+    "outcome",
+    "upstream",
+    "attempts",
+    "bytes_out",
+    "ttfb_ms",
+    "duration_ms",
+    "size",
+    "text_comparable",
+    "wire_hash",
+    "session",
+]
+
+
+def make_outcome(
+    *,
+    path: str = "/v1/chat/completions",
+    session_id: str | None = "sess-1",
+    upstream: str | None = "http://10.0.0.7:8000",
+    status: int = 200,
+    outcome: str = "complete",
+    first_byte_at: float | None = 10.25,
+    fp: Fingerprint | None = None,
+) -> Outcome:
+    return Outcome(
+        fingerprint=fp if fp is not None else Fingerprint(wire_hash=WIRE_HASH, text_comparable=True, size=48213),
+        session_id=session_id,
+        path=path,
+        status=status,
+        bytes_out=5120,
+        attempts=2,
+        upstream=upstream,
+        started=10.0,
+        first_byte_at=first_byte_at,
+        ended=19.5,
+        outcome=outcome,
+    )
+
+
+_PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"]+)(?: |$)')
+
+
+def parse_logfmt(line: str) -> dict[str, str]:
+    pairs = _PAIR.findall(line)
+    assert " ".join(f"{k}={v}" for k, v in pairs) == line, f"not clean logfmt: {line!r}"
+    return {key: json.loads(value) if value.startswith('"') else value for key, value in pairs}
+
+
+@pytest.fixture
+def access(caplog: pytest.LogCaptureFixture) -> AccessLog:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    return AccessLog()
+
+
+def access_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == ACCESS_LOGGER]
+
+
+def test_one_line_per_outcome_with_the_fields(access: AccessLog, caplog: pytest.LogCaptureFixture) -> None:
+    access.record(make_outcome())
+    access.record(make_outcome(status=502, outcome="upstream_error", first_byte_at=None, session_id=None))
+
+    records = access_records(caplog)
+    assert len(records) == 2
+    assert all(r.levelno == logging.INFO for r in records)
+    assert all("\n" not in r.getMessage() for r in records)
+    first, second = (parse_logfmt(r.getMessage()) for r in records)
+    assert list(first) == FIELDS
+    assert first == {
+        "path": "/v1/chat/completions",
+        "status": "200",
+        "outcome": "complete",
+        "upstream": "http://10.0.0.7:8000",
+        "attempts": "2",
+        "bytes_out": "5120",
+        "ttfb_ms": "250.0",
+        "duration_ms": "9500.0",
+        "size": "48213",
+        "text_comparable": "true",
+        "wire_hash": WIRE_HASH,
+        "session": session_hash("sess-1"),
+    }
+    assert second["status"] == "502"
+    assert second["outcome"] == "upstream_error"
+    assert second["ttfb_ms"] == "-"
+    assert second["session"] == "-"
+
+
+def test_extra_carries_the_fields_as_values(access: AccessLog, caplog: pytest.LogCaptureFixture) -> None:
+    access.record(make_outcome(first_byte_at=None, upstream=None))
+
+    (record,) = access_records(caplog)
+    extra = record.__dict__["asgi_lifetime"]
+    assert list(extra) == FIELDS
+    assert extra["status"] == 200
+    assert extra["attempts"] == 2
+    assert extra["bytes_out"] == 5120
+    assert extra["duration_ms"] == 9500.0
+    assert extra["ttfb_ms"] is None
+    assert extra["upstream"] is None
+    assert extra["text_comparable"] is True
+    assert extra["wire_hash"] == WIRE_HASH
+    assert extra["session"] == session_hash("sess-1")
+    json.dumps(extra)  # a JSON formatter can emit it as is
+
+
+def test_no_query_key_body_or_session_id(access: AccessLog, caplog: pytest.LogCaptureFixture) -> None:
+    body = b'{"messages": [{"role": "user", "content": "BODYMARKER please"}]}'
+    session_id = "sess-SESSIONMARKER-42"
+    access.record(
+        make_outcome(
+            path="/v1/chat/completions?key=secret-QUERYKEY&beta=true",
+            session_id=session_id,
+            upstream="https://user:PASSWORDMARKER@api.example.com/v1?api-key=URLKEYMARKER#frag",
+            fp=fingerprint(body),
+        )
+    )
+
+    (record,) = access_records(caplog)
+    message = record.getMessage()
+    extra = json.dumps(record.__dict__["asgi_lifetime"])
+    for text in (message, extra):
+        for secret in ("secret", "QUERYKEY", "key=", "BODYMARKER", "SESSIONMARKER", session_id, "PASSWORDMARKER",
+                       "URLKEYMARKER", "?", "frag"):  # fmt: skip
+            assert secret not in text
+    fields = parse_logfmt(message)
+    assert fields["path"] == "/v1/chat/completions"
+    assert fields["upstream"] == "https://api.example.com/v1"
+    assert fields["size"] == str(len(body))
+    expected = hashlib.blake2b(session_id.encode(), digest_size=4).hexdigest()
+    assert fields["session"] == expected
+    assert f"session={expected}" in message
+    assert re.fullmatch(r"[0-9a-f]{8}", expected)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/with space",
+        '/v1/quote"d',
+        "/v1/new\nline fake=field",
+        "/v1/equals=sign",
+        "/v1/ünïcode",
+        "/v1/back\\slash",
+        "",
+    ],
+)
+def test_values_are_quoted_when_needed(path: str, access: AccessLog, caplog: pytest.LogCaptureFixture) -> None:
+    access.record(make_outcome(path=path))
+
+    (record,) = access_records(caplog)
+    message = record.getMessage()
+    assert "\n" not in message
+    fields = parse_logfmt(message)
+    assert list(fields) == FIELDS  # no forged field
+    assert fields["path"] == path
+
+
+def test_nothing_formatted_when_info_is_off(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=ACCESS_LOGGER)
+    AccessLog().record(make_outcome())
+    assert access_records(caplog) == []
+
+
+def test_custom_logger(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="my.access")
+    AccessLog(logging.getLogger("my.access")).record(make_outcome())
+    assert [r.name for r in caplog.records] == ["my.access"]
+
+
+@pytest.mark.anyio
+async def test_is_a_bookkeeper(access: AccessLog, caplog: pytest.LogCaptureFixture) -> None:
+    assert isinstance(access, Bookkeeper)
+    await record_outcome(access, make_outcome())
+    assert len(access_records(caplog)) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
+        ("https://api.example.com/v1/", "https://api.example.com/v1/"),
+        ("https://u:p@api.example.com/v1?key=k#f", "https://api.example.com/v1"),
+        ("http://[::1]:9000/x", "http://[::1]:9000/x"),
+        ("HTTP://Example.COM", "http://example.com"),
+        ("primary", "primary"),
+        ("primary?key=k", "primary"),
+        ("http://host:notaport/", "invalid"),
+    ],
+)
+def test_public_url(url: str, expected: str) -> None:
+    assert public_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [("/v1/x", "/v1/x"), ("/v1/x?key=k", "/v1/x"), ("/v1/x#f?g", "/v1/x"), ("?key=k", "")],
+)
+def test_public_path(path: str, expected: str) -> None:
+    assert public_path(path) == expected

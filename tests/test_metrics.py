@@ -1,0 +1,494 @@
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import prometheus_client.values
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+
+from asgi_lifetime import _metrics
+from asgi_lifetime._bookkeeping import Bookkeeper, Outcome, record_outcome
+from asgi_lifetime._fingerprint import Fingerprint
+from asgi_lifetime._metrics import (
+    CONTENT_TYPE,
+    LATENCY_BUCKETS,
+    MULTIPROC_DIR_ENV,
+    GatewayMetrics,
+    make_metrics_route,
+)
+from asgi_lifetime._stats import Counters
+from asgi_lifetime._upstream import AttemptEvent
+
+A = "http://upstream-a:8000"
+B_CONFIGURED = "https://user:PASSWORD@upstream-b:9000/v1?api-key=URLKEY"
+B = "https://upstream-b:9000/v1"
+SESSION = "sess-SESSIONMARKER-1"
+PATH = "/v1/chat/completions?key=secret"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def make_outcome(
+    *,
+    status: int = 200,
+    upstream: str | None = A,
+    outcome: str = "complete",
+    ttfb: float | None = 0.2,
+    duration: float = 1.5,
+    bytes_out: int = 100,
+) -> Outcome:
+    return Outcome(
+        fingerprint=Fingerprint(wire_hash="ab" * 32, text_comparable=True, size=10),
+        session_id=SESSION,
+        path=PATH,
+        status=status,
+        bytes_out=bytes_out,
+        attempts=1,
+        upstream=upstream,
+        started=100.0,
+        first_byte_at=None if ttfb is None else 100.0 + ttfb,
+        ended=100.0 + duration,
+        outcome=outcome,
+    )
+
+
+def parse(body: bytes) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            key = (sample.name, frozenset(sample.labels.items()))
+            assert key not in samples, f"duplicate sample {key}"
+            samples[key] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(_metrics.PREFIX + name, frozenset(labels.items()))]
+
+
+def series(samples: Samples, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    return {labels: v for (n, labels), v in samples.items() if n == _metrics.PREFIX + name}
+
+
+def lbl(**labels: str) -> frozenset[tuple[str, str]]:
+    return frozenset(labels.items())
+
+
+def known_counters() -> Counters:
+    counters = Counters()
+    for field, number in {
+        "inflight_requests": 2,
+        "inflight_bytes": 4096,
+        "retained_input_bytes": 1024,
+        "live_resources": 5,
+        "pinned_sessions": 1,
+        "admitted": 10,
+        "rejected": 4,
+        "aborted": 1,
+        "too_large": 2,
+        "timed_out": 3,
+        "completed": 6,
+        "starved": 1,
+        "stalled": 2,
+    }.items():
+        setattr(counters, field, number)
+    return counters
+
+
+def describe() -> list[dict[str, object]]:
+    return [
+        {"url": A, "inflight": 1, "down_for": None, "requests": 7, "failures": 0},
+        {"url": B_CONFIGURED, "inflight": 0, "down_for": 3.5, "requests": 2, "failures": 1},
+    ]
+
+
+def feed(metrics: GatewayMetrics) -> None:
+    """3 x 200 on A, 1 x 502 on B, 1 starved on A; 2 retries, 1 refold, 1 role remap, 1 settled."""
+    metrics.record(make_outcome(duration=1.5, bytes_out=100))
+    metrics.record(make_outcome(duration=3.0, bytes_out=200))
+    metrics.record(make_outcome(duration=20.0, bytes_out=300))
+    metrics.record(make_outcome(status=502, upstream=B_CONFIGURED, outcome="upstream_error", ttfb=None, duration=0.05,
+                                bytes_out=0))  # fmt: skip
+    metrics.record(make_outcome(outcome="starved", ttfb=0.2, duration=700.0, bytes_out=50))
+    metrics.on_attempt(AttemptEvent("retry", 1, 502, "status 502", 0.5))
+    metrics.on_attempt(AttemptEvent("retry", 2, None, "ConnectError", 1.0))
+    metrics.on_attempt(AttemptEvent("refold", 3, 400, "context overflow, window 8192"))
+    metrics.on_attempt(AttemptEvent("role", 4, 400, "role 'developer' rejected, sent as 'system'"))
+    metrics.on_attempt(AttemptEvent("settled", 4, 200, "status 200"))
+
+
+def test_known_sequence_renders_exact_values() -> None:
+    metrics = GatewayMetrics(counters=known_counters(), describe_upstreams=describe)
+    feed(metrics)
+    body, content_type = metrics.render()
+    assert content_type == CONTENT_TYPE
+    s = parse(body)
+
+    assert series(s, "requests_total") == {
+        lbl(status="200", upstream=A, outcome="complete"): 3,
+        lbl(status="502", upstream=B, outcome="upstream_error"): 1,
+        lbl(status="200", upstream=A, outcome="starved"): 1,
+    }
+    assert series(s, "attempts_total") == {
+        lbl(kind="retry", reason="server_error"): 1,
+        lbl(kind="retry", reason="connect"): 1,
+        lbl(kind="refold", reason="context_overflow"): 1,
+        lbl(kind="role", reason="role_rejected"): 1,
+    }
+    assert value(s, "response_bytes_total") == 650
+
+    # Histograms: TTFB only where a first byte was sent; the 700 s stream lands in +Inf.
+    assert value(s, "time_to_first_byte_seconds_count") == 4
+    assert value(s, "time_to_first_byte_seconds_sum") == pytest.approx(0.8)
+    assert value(s, "time_to_first_byte_seconds_bucket", le="0.1") == 0
+    assert value(s, "time_to_first_byte_seconds_bucket", le="0.25") == 4
+    assert value(s, "request_duration_seconds_count") == 5
+    assert value(s, "request_duration_seconds_sum") == pytest.approx(724.55)
+    expected_buckets = {"0.005": 0, "0.05": 1, "1.0": 1, "2.5": 2, "5.0": 3, "30.0": 4, "600.0": 4, "+Inf": 5}
+    for le, count in expected_buckets.items():
+        assert value(s, "request_duration_seconds_bucket", le=le) == count, le
+    buckets = {dict(labels)["le"] for labels in series(s, "request_duration_seconds_bucket")}
+    assert buckets == {str(b) for b in LATENCY_BUCKETS} | {"+Inf"}
+
+    # Live state from the counters, read at scrape time.
+    assert value(s, "inflight_requests") == 2
+    assert value(s, "inflight_bytes") == 4096
+    assert value(s, "retained_input_bytes") == 1024
+    assert value(s, "live_resources") == 5
+    assert value(s, "pinned_sessions") == 1
+    assert value(s, "admitted_total") == 10
+    assert value(s, "admission_rejections_total") == 4
+    assert value(s, "body_aborted_total") == 1
+    assert value(s, "body_too_large_total") == 2
+    assert value(s, "body_timed_out_total") == 3
+    assert value(s, "completed_total") == 6
+    assert value(s, "starvations_total") == 1
+    assert value(s, "stalls_total") == 2
+    assert series(s, "upstream_inflight") == {lbl(upstream=A): 1, lbl(upstream=B): 0}
+    assert series(s, "upstream_down") == {lbl(upstream=A): 0, lbl(upstream=B): 1}
+    assert series(s, "upstream_attempts_total") == {lbl(upstream=A): 7, lbl(upstream=B): 2}
+    assert series(s, "upstream_failures_total") == {lbl(upstream=A): 0, lbl(upstream=B): 1}
+
+
+def test_gauges_are_read_at_scrape_time() -> None:
+    counters = Counters()
+    metrics = GatewayMetrics(counters=counters, describe_upstreams=list)
+    assert value(parse(metrics.render()[0]), "inflight_requests") == 0
+    counters.inflight_requests = 3
+    counters.rejected = 2
+    s = parse(metrics.render()[0])
+    assert value(s, "inflight_requests") == 3
+    assert value(s, "admission_rejections_total") == 2
+
+
+def test_no_session_path_query_or_credentials_in_labels() -> None:
+    metrics = GatewayMetrics(counters=known_counters(), describe_upstreams=describe)
+    feed(metrics)
+    body = metrics.render()[0]
+    text = body.decode()
+    for secret in ("SESSIONMARKER", SESSION, "secret", "key=", "/chat/", "PASSWORD", "URLKEY", "user:", "?"):
+        assert secret not in text
+    label_names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        assert family.name.startswith(_metrics.PREFIX)
+        for sample in family.samples:
+            label_names.update(sample.labels)
+    assert label_names <= {"status", "upstream", "outcome", "kind", "reason", "le"}
+
+
+def test_two_instances_do_not_collide() -> None:
+    first = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    second = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    feed(first)
+    assert first.registry is not second.registry
+    assert series(parse(first.render()[0]), "requests_total")
+    assert series(parse(second.render()[0]), "requests_total") == {}
+    assert value(parse(second.render()[0]), "response_bytes_total") == 0
+
+
+def test_uses_a_given_registry() -> None:
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list, registry=registry)
+    metrics.record(make_outcome())
+    assert metrics.registry is registry
+    assert registry.get_sample_value("asgi_lifetime_requests_total", {"status": "200", "upstream": A,
+                                                                        "outcome": "complete"}) == 1  # fmt: skip
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        GatewayMetrics(counters=Counters(), describe_upstreams=list, registry=registry)
+
+
+def test_upstream_labels_are_bounded() -> None:
+    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    for i in range(100):
+        metrics.record(make_outcome(upstream=f"http://upstream-{i}:8000"))
+    metrics.record(make_outcome(upstream=None))
+    upstreams = [dict(labels)["upstream"] for labels in series(parse(metrics.render()[0]), "requests_total")]
+    assert len(upstreams) == 66
+    assert "other" in upstreams
+    assert "none" in upstreams
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        (AttemptEvent("retry", 1, 429, "status 429"), "rate_limited"),
+        (AttemptEvent("retry", 1, 502, "status 502"), "server_error"),
+        (AttemptEvent("retry", 1, 503, "status 503"), "server_error"),
+        (AttemptEvent("retry", 1, 504, "status 504"), "server_error"),
+        (AttemptEvent("retry", 1, 409, "status 409"), "http_error"),
+        (AttemptEvent("retry", 1, 200, "re-issued after the upstream produced no output"), "no_output"),
+        (AttemptEvent("retry", 1, None, "ConnectError"), "connect"),
+        (AttemptEvent("retry", 1, None, "ConnectTimeout"), "connect"),
+        (AttemptEvent("retry", 1, None, "ReadTimeout"), "timeout"),
+        (AttemptEvent("retry", 1, None, "no response headers within 30s"), "timeout"),
+        (AttemptEvent("retry", 1, None, "RemoteProtocolError"), "transport"),
+        (AttemptEvent("retry", 1, None, "session sess-123 key=abc went away"), "transport"),
+        (AttemptEvent("refold", 2, 400, "context overflow, window 8192"), "context_overflow"),
+        (AttemptEvent("role", 2, 400, "role 'developer' rejected, sent as 'system'"), "role_rejected"),
+    ],
+)
+def test_attempt_reason_classes(event: AttemptEvent, reason: str) -> None:
+    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    metrics.on_attempt(event)
+    assert series(parse(metrics.render()[0]), "attempts_total") == {lbl(kind=event.kind, reason=reason): 1}
+
+
+def test_settled_events_are_not_attempts() -> None:
+    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    metrics.on_attempt(AttemptEvent("settled", 3, 200, "status 200"))
+    assert series(parse(metrics.render()[0]), "attempts_total") == {}
+
+
+@pytest.mark.parametrize("interval", [0, -1.0, math.inf, math.nan])
+def test_sync_interval_must_be_positive(interval: float) -> None:
+    with pytest.raises(ValueError, match="sync_interval"):
+        GatewayMetrics(counters=Counters(), describe_upstreams=list, sync_interval=interval)
+
+
+@pytest.mark.anyio
+async def test_is_a_bookkeeper() -> None:
+    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    assert isinstance(metrics, Bookkeeper)
+    await record_outcome(metrics, make_outcome())
+    assert value(parse(metrics.render()[0]), "requests_total", status="200", upstream=A, outcome="complete") == 1
+
+
+@pytest.mark.anyio
+async def test_metrics_route() -> None:
+    metrics = GatewayMetrics(counters=known_counters(), describe_upstreams=describe)
+    metrics.record(make_outcome())
+    app = Starlette(routes=[make_metrics_route(metrics)])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://testserver") as client:
+        response = await client.get("/metrics")
+        assert response.status_code == 200
+        assert response.headers["content-type"] == CONTENT_TYPE
+        s = parse(response.content)
+        assert value(s, "inflight_requests") == 2
+        assert value(s, "requests_total", status="200", upstream=A, outcome="complete") == 1
+        assert (await client.post("/metrics")).status_code == 405
+
+
+# ---------------------------------------------------------------------------------------------
+# Multiprocess mode
+
+
+@pytest.fixture
+def multiproc_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A process that started with PROMETHEUS_MULTIPROC_DIR set: prometheus_client then uses its mmap storage."""
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    monkeypatch.setenv(MULTIPROC_DIR_ENV, str(directory))
+    monkeypatch.setattr(prometheus_client.values, "ValueClass", prometheus_client.values.MultiProcessValue())  # type: ignore[no-untyped-call]
+    yield directory
+    process = _metrics._process
+    if process is not None:
+        process.sync()
+        if process.thread is not None:
+            process.wake.set()
+            process.thread.join(5)
+            assert process.thread is None, "the sync thread outlived its instances"
+    prometheus_client.values.close_all_multiprocess_files()  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture
+def make_metrics(multiproc_dir: Path) -> Iterator[Callable[..., GatewayMetrics]]:
+    created: list[GatewayMetrics] = []
+
+    def make(counters: Counters, describe_upstreams: Callable[[], list[dict[str, object]]] = list,
+             sync_interval: float = 60.0) -> GatewayMetrics:  # fmt: skip
+        metrics = GatewayMetrics(counters=counters, describe_upstreams=describe_upstreams, sync_interval=sync_interval)
+        created.append(metrics)
+        return metrics
+
+    yield make
+    for metrics in created:
+        metrics.close()
+
+
+def test_multiprocess_requires_the_variable_before_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path))
+    with pytest.raises(ValueError, match="set after prometheus_client was imported"):
+        GatewayMetrics(counters=Counters(), describe_upstreams=list)
+
+
+@pytest.mark.parametrize("directory", ["", "does-not-exist"])
+def test_multiprocess_requires_a_directory(directory: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path / directory) if directory else "")
+    with pytest.raises(ValueError, match=MULTIPROC_DIR_ENV):
+        GatewayMetrics(counters=Counters(), describe_upstreams=list)
+
+
+def test_multiprocess_two_instances_sum(make_metrics: Callable[..., GatewayMetrics], multiproc_dir: Path) -> None:
+    counters_a = known_counters()
+    counters_b = Counters()
+    counters_b.inflight_requests = 3
+    counters_b.admitted = 1
+    a = make_metrics(counters_a, describe)
+    b = make_metrics(counters_b, lambda: [{"url": A, "inflight": 2, "down_for": 1.0, "requests": 4, "failures": 2}])
+    assert a.multiprocess and b.multiprocess
+    feed(a)
+    b.record(make_outcome())
+    b.on_attempt(AttemptEvent("retry", 1, 429, "status 429"))
+
+    s = parse(b.render()[0])
+    assert {p.name.split("_")[0] for p in multiproc_dir.iterdir()} >= {"counter", "histogram", "gauge"}
+    assert series(s, "requests_total") == {
+        lbl(status="200", upstream=A, outcome="complete"): 4,
+        lbl(status="502", upstream=B, outcome="upstream_error"): 1,
+        lbl(status="200", upstream=A, outcome="starved"): 1,
+    }
+    assert value(s, "attempts_total", kind="retry", reason="rate_limited") == 1
+    assert value(s, "attempts_total", kind="retry", reason="server_error") == 1
+    assert value(s, "time_to_first_byte_seconds_count") == 5
+    assert value(s, "request_duration_seconds_count") == 6
+    assert value(s, "request_duration_seconds_bucket", le="+Inf") == 6
+    assert value(s, "response_bytes_total") == 750
+    assert value(s, "inflight_requests") == 5
+    assert value(s, "inflight_bytes") == 4096
+    assert value(s, "admitted_total") == 11
+    assert value(s, "admission_rejections_total") == 4
+    assert value(s, "starvations_total") == 1
+    assert series(s, "upstream_inflight") == {lbl(upstream=A): 3, lbl(upstream=B): 0}
+    assert series(s, "upstream_down") == {lbl(upstream=A): 1, lbl(upstream=B): 1}  # down if down anywhere
+    assert series(s, "upstream_attempts_total") == {lbl(upstream=A): 11, lbl(upstream=B): 2}
+    assert series(s, "upstream_failures_total") == {lbl(upstream=A): 2, lbl(upstream=B): 1}
+    assert parse(a.render()[0]) == s  # either instance renders the merged view
+
+    # Totals advance by their increase; gauges follow the counters both ways.
+    counters_a.admitted += 4
+    counters_a.inflight_requests = 0
+    s = parse(a.render()[0])
+    assert value(s, "admitted_total") == 15
+    assert value(s, "inflight_requests") == 3
+
+    # A closed instance leaves the gauges; everything it counted stays.
+    counters_b.admitted += 1  # counted between the last copy and close(): still reported
+    b.close()
+    b.close()
+    s = parse(a.render()[0])
+    assert value(s, "inflight_requests") == 0
+    assert value(s, "admitted_total") == 16
+    assert series(s, "upstream_inflight") == {lbl(upstream=A): 1, lbl(upstream=B): 0}
+    assert series(s, "upstream_down") == {lbl(upstream=A): 0, lbl(upstream=B): 1}
+    assert value(s, "requests_total", status="200", upstream=A, outcome="complete") == 4
+
+
+def test_multiprocess_removes_gauges_of_dead_processes(
+    make_metrics: Callable[..., GatewayMetrics], multiproc_dir: Path
+) -> None:
+    counters = Counters()
+    counters.inflight_requests = 2
+    counters.admitted = 3
+    metrics = make_metrics(counters)
+    metrics.sync()
+    # A worker that crashed: its files are left behind. No process can have this pid (> Linux's 2**22).
+    for own in multiproc_dir.glob(f"*_{os.getpid()}.db"):
+        shutil.copy(own, own.with_name(own.name.replace(str(os.getpid()), "4194305")))
+    assert (multiproc_dir / "gauge_livesum_4194305.db").exists()
+
+    s = parse(metrics.render()[0])
+    assert value(s, "inflight_requests") == 2  # the dead worker's gauges are gone...
+    assert value(s, "admitted_total") == 6  # ...its totals are not
+    assert not (multiproc_dir / "gauge_livesum_4194305.db").exists()
+    assert (multiproc_dir / "counter_4194305.db").exists()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    from asgi_lifetime._bookkeeping import Outcome
+    from asgi_lifetime._fingerprint import Fingerprint
+    from asgi_lifetime._metrics import GatewayMetrics
+    from asgi_lifetime._stats import Counters
+
+    counters = Counters()
+    upstreams = [{"url": "http://upstream-a:8000", "inflight": 4, "down_for": 1.0, "requests": 9, "failures": 1}]
+    metrics = GatewayMetrics(counters=counters, describe_upstreams=lambda: upstreams, sync_interval=0.02)
+    fp = Fingerprint(wire_hash="cd" * 32, text_comparable=False, size=5)
+    for _ in range(2):
+        metrics.record(Outcome(fingerprint=fp, session_id=None, path="/v1/x", status=200, bytes_out=10, attempts=1,
+                               upstream="http://upstream-a:8000", started=0.0, first_byte_at=0.1, ended=0.5,
+                               outcome="complete"))
+    counters.inflight_requests = 4      # left to the sync thread: no explicit sync(), no render()
+    counters.admitted = 7
+    print("ready", flush=True)
+    sys.stdin.read()                    # until the parent closes stdin
+    os._exit(0)                         # die without cleaning up, like a killed worker
+    """
+)
+
+
+def test_multiprocess_across_processes(make_metrics: Callable[..., GatewayMetrics], multiproc_dir: Path) -> None:
+    counters = Counters()
+    counters.inflight_requests = 1
+    counters.admitted = 1
+    metrics = make_metrics(counters, lambda: [{"url": A, "inflight": 1, "down_for": None, "requests": 1,
+                                               "failures": 0}])  # fmt: skip
+    metrics.record(make_outcome())
+    env = {**os.environ, MULTIPROC_DIR_ENV: str(multiproc_dir)}
+    with subprocess.Popen(
+        [sys.executable, "-c", _CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    ) as child:
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert child.stdout.readline() == "ready\n", child.stderr.read() if child.stderr else ""
+            deadline = time.monotonic() + 10
+            while True:  # the child's sync thread copies its counters within 20 ms
+                s = parse(metrics.render()[0])
+                if value(s, "inflight_requests") == 5 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            assert value(s, "inflight_requests") == 5
+            assert value(s, "admitted_total") == 8
+            assert value(s, "requests_total", status="200", upstream=A, outcome="complete") == 3
+            assert value(s, "response_bytes_total") == 120
+            assert value(s, "request_duration_seconds_count") == 3
+            assert series(s, "upstream_inflight") == {lbl(upstream=A): 5}
+            assert series(s, "upstream_down") == {lbl(upstream=A): 1}
+            assert series(s, "upstream_attempts_total") == {lbl(upstream=A): 10}
+        finally:
+            child.stdin.close()  # type: ignore[union-attr]
+            child.wait(10)
+    assert child.returncode == 0
+
+    s = parse(metrics.render()[0])
+    assert value(s, "inflight_requests") == 1  # the dead child's gauges are gone
+    assert series(s, "upstream_down") == {lbl(upstream=A): 0}
+    assert value(s, "admitted_total") == 8  # its totals stay
+    assert value(s, "requests_total", status="200", upstream=A, outcome="complete") == 3
