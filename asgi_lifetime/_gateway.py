@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 from starlette.types import Receive, Scope, Send
@@ -150,9 +151,7 @@ class Forwarder:
             for k, v in filter_headers(scope["headers"])
             if k.decode("latin-1").lower() not in _NOT_FORWARDED
         ]
-        path = scope["path"][len(scope.get("root_path", "")) :] if scope.get("root_path") else scope["path"]
-        if scope.get("query_string"):
-            path += "?" + scope["query_string"].decode("latin-1")
+        path = _upstream_path(scope)
         prepared = await prepare(
             raw,
             parsed,
@@ -172,6 +171,22 @@ class Forwarder:
             if key == self._session_header:
                 return value.decode("latin-1").strip() or None
         return None
+
+
+def _upstream_path(scope: Scope) -> str:
+    """The path (and query) to append to the upstream base URL: as the client sent it, minus a mount prefix."""
+    root: str = scope.get("root_path", "")
+    path: str = scope["path"]
+    raw: bytes | None = scope.get("raw_path")
+    if raw is not None:
+        encoded = raw.decode("latin-1")
+        # Keep the client's encoding (a %2F or %3F inside a segment must stay one) when raw_path matches.
+        if unquote(encoded) == path and encoded.startswith(root):
+            path = encoded
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    query: bytes = scope.get("query_string", b"")
+    return path + "?" + query.decode("latin-1") if query else path
 
 
 def _is_json(scope: Scope) -> bool:

@@ -81,6 +81,9 @@ class RequestLifetime:
         parsed, self._parsed = self._parsed, _NOT_PARSED
         if parsed is _NOT_PARSED:
             raise LookupError("no parsed body to take")
+        hold, self._parsed_hold = self._parsed_hold, None
+        if hold is not None:
+            hold.release_now()  # the taker accounts for what it keeps
         return parsed
 
     async def _drop_parsed(self) -> None:

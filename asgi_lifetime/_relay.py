@@ -63,6 +63,9 @@ HOP_BY_HOP: frozenset[str] = frozenset(
     }
 )
 _HOP_BY_HOP_RAW = frozenset(name.encode() for name in HOP_BY_HOP)
+# Set by the ASGI server on every response: the upstream's would be a second Date (a singleton
+# field) and would name the upstream's software. Reverse proxies drop them too (nginx does).
+_SERVER_SET = frozenset({b"date", b"server"})
 
 # Bounded time for closing an upstream response, even when the caller is being cancelled.
 _CLOSE_TIMEOUT = 5.0
@@ -169,8 +172,12 @@ class _Relay:
         self.first_byte_at: float | None = None
         self.reissued = False
         self.disconnected = False
+        # The last body message was handed to the server: a disconnect from then on (servers
+        # report one as soon as the response is complete) does not cut the response short.
+        self.ended = False
         # The response being relayed.
         self.start: Message | None = None
+        self.declared: int | None = None  # the Content-Length the client was promised
         self.inband = False
         self.tracker: SSETracker | None = None
         self.guarded = False  # in-band and 2xx: the starvation guard applies
@@ -231,8 +238,9 @@ class _Relay:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    self.disconnected = True
-                    scope.cancel()
+                    if not self.ended:
+                        self.disconnected = True
+                        scope.cancel()
                     return
                 # Anything else (a late http.request) is of no interest while relaying.
         except Exception:
@@ -271,9 +279,11 @@ class _Relay:
         if not self.started:
             sse = _is_sse(response)
             self.inband = sse and not _is_encoded(response)
-            headers = filter_headers(response.headers)
+            headers = [(name, value) for name, value in filter_headers(response.headers) if name not in _SERVER_SET]
             if sse:  # keep-alives and error events change the length
                 headers = [(name, value) for name, value in headers if name != b"content-length"]
+            lengths = [value for name, value in headers if name == b"content-length"]
+            self.declared = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
             self.start = {"type": "http.response.start", "status": response.status_code, "headers": headers}
         self.tracker = SSETracker() if self.inband else None
         self.guarded = self.hold_ok = self.inband and 200 <= response.status_code < 300
@@ -440,6 +450,10 @@ class _Relay:
                 await self._send_body(body, more_body=False)
             elif self.inband:
                 await self._send_body(self._resync_prefix() + sse_event("error", exc.to_dict()), more_body=False)
+            elif self.declared is not None and self.bytes_out < self.declared:
+                # Ending a body short of its Content-Length makes the server raise. Leave it
+                # unfinished instead: the server closes the connection, the client sees it cut off.
+                return
             else:
                 await self._send_body(b"", more_body=False)
 
@@ -449,6 +463,7 @@ class _Relay:
             self.started = True
             self.status = start["status"]
             await self._send(start)
+        self.ended = not more_body
         await self._send({"type": "http.response.body", "body": body, "more_body": more_body})
         self.bytes_out += len(body)
         self.last_sent = anyio.current_time()

@@ -151,9 +151,15 @@ def _retry_after(value: str | None) -> float | None:
 def _replay(response: httpx.Response, captured: bytes) -> httpx.Response:
     """The upstream's error as the client should get it: its status, headers and (capped) body."""
     headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _REPLAY_DROPPED]
+    headers.append(("content-length", str(len(captured))))
     ours = {k: v for k, v in response.extensions.items() if k.startswith("asgi_lifetime.")}
+    # A stream, not content=: the relay streams it with aiter_raw(), which a pre-read response refuses.
     return httpx.Response(
-        response.status_code, headers=headers, content=captured, request=response.request, extensions=ours
+        response.status_code,
+        headers=headers,
+        stream=httpx.ByteStream(captured),
+        request=response.request,
+        extensions=ours,
     )
 
 
@@ -372,6 +378,7 @@ class UpstreamClient:
         self._pool.mark_up(base)
         if response.is_closed:  # already complete (e.g. an in-memory transport): nothing in flight
             release()
+            response = _replay(response, response.content)  # read and decoded: hand it on as a stream
         else:
             response.stream = _Tracked(response.stream, release)  # type: ignore[arg-type]
         response.extensions["asgi_lifetime.upstream"] = base

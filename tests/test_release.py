@@ -1,0 +1,298 @@
+"""The release proof: while a large request's answer streams, none of its input is reachable any more
+except (optionally, with RETAIN_OUTBOUND) the accepted outbound body.
+
+The gateway is driven as a raw ASGI app: the test is the server (its ``receive`` hands over a
+32 MiB conversation in 1 MiB chunks, its ``send`` records the response) and the upstream is an
+httpx transport that streams one SSE event and then waits for the test. At that moment, with the
+gateway suspended mid-stream, the test checks:
+
+- the parsed graph: the preparer swaps the conversation for weak-referenceable containers that
+  serialize identically, and every weak reference is dead after ``gc.collect()``;
+- the refold and role-remap closures (found by the upstream during the attempt, before retries
+  settle) are dead;
+- the raw bytes: ``tracemalloc`` sees about the outbound body (RETAIN_OUTBOUND on) or nearly
+  nothing (off), where any suspended frame holding the raw body would add another 32 MiB;
+- ``retained_input_bytes`` is exactly the outbound body's size, or 0.
+
+After the response ends, everything is back to idle.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import tracemalloc
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from blake3 import blake3
+from starlette.types import Message
+
+from asgi_lifetime import LifetimeSettings, MiB
+from asgi_lifetime._prepare import Draft
+from asgi_lifetime._refold import Conversation
+from asgi_lifetime.gateway import create_app
+
+pytestmark = pytest.mark.anyio
+
+BODY_SIZE = 32 * MiB
+TURNS = 2048
+FIRST_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n'
+LAST_EVENTS = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+
+
+class TrackedDict(dict[str, Any]):
+    """A dict that can be weakly referenced (a plain dict cannot); serializes like a dict."""
+
+
+class TrackedList(list[Any]):
+    """A list that can be weakly referenced; serializes like a list."""
+
+
+def make_body() -> bytes:
+    """A text conversation of about BODY_SIZE bytes: a system prompt and TURNS user/assistant turns."""
+    per_message = BODY_SIZE // (2 * TURNS) - 40
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a careful assistant."}]
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": f"question {turn}: " + "q" * per_message})
+        messages.append({"role": "assistant", "content": f"answer {turn}: " + "a" * per_message})
+    messages.append({"role": "user", "content": "and now?"})
+    return json.dumps({"model": "big-model", "stream": True, "messages": messages}).encode()
+
+
+@dataclass
+class Probe:
+    """Weak references to every piece of request input the gateway may hold."""
+
+    graph: list[weakref.ref[Any]] = field(default_factory=list)
+    closures: list[weakref.ref[Any]] = field(default_factory=list)
+    tracked: weakref.ref[Any] | None = None
+
+    def track(self, change: bool) -> Callable[[Draft], None]:
+        """A preparer that puts the parsed conversation in weak-referenceable containers.
+
+        Without ``change`` it mutates in place and does not mark the body changed: the
+        containers serialize to the same JSON, so the outbound body is the raw body itself.
+        """
+
+        def preparer(draft: Draft) -> None:
+            body = draft.body
+            tracked = TrackedList(TrackedDict(message) for message in body["messages"])
+            self.tracked = weakref.ref(tracked)
+            self.graph.append(weakref.ref(tracked))
+            self.graph.extend(weakref.ref(message) for message in tracked)
+            if change:
+                document = TrackedDict({**body, "model": "routed-model", "messages": tracked})
+                self.graph.append(weakref.ref(document))
+                draft.body = document
+            else:
+                body["messages"] = tracked
+
+        return preparer
+
+    def find_closures(self) -> None:
+        """Weak references to the functions closing over the conversation (refold, role remap)."""
+        tracked = self.tracked() if self.tracked is not None else None
+        assert tracked is not None
+        gc.collect()
+        for obj in gc.get_objects():
+            if isinstance(obj, types.FunctionType) and obj.__closure__:
+                for cell in obj.__closure__:
+                    try:
+                        value = cell.cell_contents
+                    except ValueError:  # an empty cell
+                        continue
+                    if isinstance(value, Conversation) and value.doc.get(value.key) is tracked:
+                        self.closures.append(weakref.ref(obj))
+
+    def alive(self) -> tuple[int, int]:
+        return sum(ref() is not None for ref in self.graph), sum(ref() is not None for ref in self.closures)
+
+
+class Stream(httpx.AsyncByteStream):
+    """The upstream's answer: one SSE event, then a wait for the test, then the end."""
+
+    def __init__(self, gate: anyio.Event) -> None:
+        self.gate = gate
+        self.step = 0
+        self.closed = False
+
+    def __aiter__(self) -> Stream:  # a plain iterator: nothing to finalize if the relay stops early
+        return self
+
+    async def __anext__(self) -> bytes:
+        self.step += 1
+        if self.step == 1:
+            return FIRST_EVENT
+        if self.step == 2:
+            await self.gate.wait()
+            return LAST_EVENTS
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class Upstream(httpx.AsyncBaseTransport):
+    """Reads the request body the way a network transport does (iterating it, keeping nothing)."""
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.gate = anyio.Event()
+        self.requests = 0
+        self.received = 0
+        self.hasher = blake3()
+        self.streams: list[Stream] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests += 1
+        self.probe.find_closures()  # during the attempt: the closures exist until retries settle
+        assert isinstance(request.stream, httpx.AsyncByteStream)
+        async for chunk in request.stream:
+            self.received += len(chunk)
+            self.hasher.update(chunk)
+        del chunk
+        stream = Stream(self.gate)
+        self.streams.append(stream)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+
+
+@dataclass
+class Client:
+    """The server side of the ASGI connection: feeds the body, records the response."""
+
+    body: bytes
+    chunk: int = MiB
+    offset: int = 0
+    hang_up: anyio.Event = field(default_factory=anyio.Event)
+    first_event: anyio.Event = field(default_factory=anyio.Event)
+    start: Message | None = None
+    received: bytearray = field(default_factory=bytearray)
+    ended: bool = False
+
+    async def receive(self) -> Message:
+        if self.offset < len(self.body):
+            part = self.body[self.offset : self.offset + self.chunk]
+            self.offset += len(part)
+            return {"type": "http.request", "body": part, "more_body": self.offset < len(self.body)}
+        await self.hang_up.wait()  # the body is complete; the connection stays open
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.start = message
+            return
+        self.received += message.get("body", b"")
+        if FIRST_EVENT in self.received:
+            self.first_event.set()
+        if not message.get("more_body", False):
+            self.ended = True
+
+
+def scope_for(body: bytes) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"gateway.test"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-session-id", b"big-session"),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("gateway.test", 80),
+        "state": {},
+    }
+
+
+@pytest.fixture(scope="module")
+def body() -> bytes:
+    return make_body()
+
+
+@pytest.mark.parametrize(
+    ("retain", "change"),
+    [
+        pytest.param(False, False, id="retain-off"),
+        pytest.param(True, False, id="retain-on"),
+        pytest.param(True, True, id="retain-on-changed-body"),
+        pytest.param(False, True, id="retain-off-changed-body"),
+    ],
+)
+async def test_input_is_released_before_the_answer_streams(body: bytes, retain: bool, change: bool) -> None:
+    assert 30 * MiB < len(body) < 34 * MiB
+    probe = Probe()
+    upstream = Upstream(probe)
+    settings = LifetimeSettings(
+        upstream_url=("http://upstream.test",),
+        retain_outbound=retain,
+        stall_timeout=30.0,
+        keepalive_interval=30.0,
+    )
+    app = create_app(settings, preparers=[probe.track(change)], transport=upstream)
+    lifetime = app.state.lifetime
+    client = Client(body)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(app, scope_for(body), client.receive, client.send)
+                await client.first_event.wait()
+
+                # --- mid-stream: the upstream is waiting, the gateway is suspended in the relay.
+                gc.collect()
+                streaming_memory = tracemalloc.get_traced_memory()[0]
+                graph_alive, closures_alive = probe.alive()
+                stats = lifetime.stats()
+                assert not client.ended and upstream.streams[0].step == 2
+
+                upstream.gate.set()
+            client.hang_up.set()
+
+        # --- after the response.
+        gc.collect()
+        final_memory = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+        await app.state.upstream.aclose()
+
+    outbound = upstream.received
+    assert upstream.requests == 1
+    if change:
+        assert outbound != len(body)
+    else:
+        assert outbound == len(body) and upstream.hasher.hexdigest() == blake3(body).hexdigest()
+
+    # (a) the parsed graph and the closures over it are gone (and they did exist).
+    assert len(probe.graph) > 2 * TURNS and len(probe.closures) == 2
+    assert (graph_alive, closures_alive) == (0, 0)
+    # (b) the raw body: only the retained outbound body is still reachable, and accounted for.
+    ratio = streaming_memory / len(body)
+    if retain:
+        assert 0.8 < ratio < 1.6, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
+        assert stats.retained_input_bytes == outbound
+    else:
+        assert ratio < 0.3, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
+        assert stats.retained_input_bytes == 0
+    assert stats.inflight_requests == 1 and stats.pinned_sessions == 1
+    # (c) after the response: idle, and nothing of the request left.
+    assert client.start is not None and client.start["status"] == 200
+    assert client.ended and bytes(client.received) == FIRST_EVENT + LAST_EVENTS
+    assert upstream.streams[0].closed
+    assert lifetime.stats().idle, lifetime.stats()
+    assert final_memory / len(body) < 0.3, f"traced {final_memory} bytes after the response"
+    assert probe.alive() == (0, 0)
