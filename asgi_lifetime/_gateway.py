@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
+import anyio
 import httpx
 from starlette.types import Receive, Scope, Send
 
@@ -21,6 +22,7 @@ from ._bookkeeping import Bookkeeper, Outcome, SessionBook, record_outcome
 from ._exceptions import LifetimeError, MalformedBody
 from ._middleware import Lifetime, RequestLifetime, send_error
 from ._prepare import Prepared, Preparer, prepare
+from ._refold import Conversation, Refold, default_refold
 from ._relay import filter_headers, relay
 from ._scope import Resource
 from ._upstream import UpstreamClient
@@ -53,7 +55,8 @@ class _Input:
 
 
 class Forwarder:
-    """ASGI endpoint for forwarded routes; everything per request lives in ``_handle``'s holders."""
+    """ASGI endpoint for forwarded routes. Per request state lives in holders and locals of
+    ``__call__``; the instance only holds what all requests share."""
 
     def __init__(
         self,
@@ -61,15 +64,19 @@ class Forwarder:
         lifetime: Lifetime,
         upstream: UpstreamClient,
         preparers: Sequence[Preparer],
-        bookkeeper: Bookkeeper,
+        bookkeepers: Sequence[Bookkeeper],
         book: SessionBook,
+        refold_factory: Callable[[Conversation], Refold] = default_refold,
+        stop: anyio.Event | None = None,
     ) -> None:
         self.lifetime = lifetime
         self.settings = lifetime.settings
         self.upstream = upstream
         self.preparers = tuple(preparers)
-        self.bookkeeper = bookkeeper
+        self.bookkeepers = tuple(bookkeepers)
         self.book = book
+        self.refold_factory = refold_factory
+        self.stop = stop
         self._session_header = self.settings.session_header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -85,9 +92,12 @@ class Forwarder:
         try:
             prepared, held = await self._prepare(scope, receive, state)
             try:
-                response = await self.upstream.forward(prepared, on_retries_settled=held.release, session_id=session_id)
+                response = await self._forward(prepared, held, receive, session_id)
             finally:
                 held.release()  # already done at settle; here for the paths that never reached it
+            if response is None:  # the client left while retries were running
+                status, outcome = 499, "client_disconnected"
+                return
             resources.add(response.aclose)  # closed when the request settles, whatever happens below
             attempts = int(response.extensions.get("asgi_lifetime.attempts", 1))
             upstream_url = response.extensions.get("asgi_lifetime.upstream")
@@ -105,6 +115,7 @@ class Forwarder:
                 keepalive_interval=self.settings.keepalive_interval,
                 reissue=reissue if prepared.body is not None else None,
                 counters=self.lifetime.counters,
+                stop=self.stop,
             )
             prepared.release_body()
             status, outcome, bytes_out, first_byte_at = (
@@ -117,22 +128,45 @@ class Forwarder:
             status = exc.status_code
             await send_error(send, exc)
         finally:
-            await record_outcome(
-                self.bookkeeper,
-                Outcome(
-                    fingerprint=state.fingerprint,
-                    session_id=session_id,
-                    path=scope["path"],
-                    status=status,
-                    bytes_out=bytes_out,
-                    attempts=attempts,
-                    upstream=upstream_url,
-                    started=started,
-                    first_byte_at=first_byte_at,
-                    ended=time.monotonic(),
-                    outcome=outcome,
-                ),
+            finished = Outcome(
+                fingerprint=state.fingerprint,
+                session_id=session_id,
+                path=scope["path"],
+                status=status,
+                bytes_out=bytes_out,
+                attempts=attempts,
+                upstream=upstream_url,
+                started=started,
+                first_byte_at=first_byte_at,
+                ended=time.monotonic(),
+                outcome=outcome,
             )
+            for bookkeeper in self.bookkeepers:
+                await record_outcome(bookkeeper, finished)
+
+    async def _forward(
+        self, prepared: Prepared, held: _Input, receive: Receive, session_id: str | None
+    ) -> httpx.Response | None:
+        """``UpstreamClient.forward``, abandoned (None) if the client disconnects meanwhile:
+        retries and backoff must not outlive the client that asked for them."""
+        response: httpx.Response | None = None
+        error: LifetimeError | None = None
+        gone = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_disconnect, receive, gone, tg.cancel_scope)
+            try:
+                response = await self.upstream.forward(prepared, on_retries_settled=held.release, session_id=session_id)
+            except LifetimeError as exc:
+                error = exc.with_traceback(None)  # a kept traceback would keep the retry loop's frames
+            finally:
+                tg.cancel_scope.cancel()
+        if gone.is_set():
+            if response is not None:  # answered in the same moment the client left
+                await response.aclose()
+            return None
+        if error is not None:
+            raise error
+        return response
 
     async def _prepare(self, scope: Scope, receive: Receive, state: RequestLifetime) -> tuple[Prepared, _Input]:
         # This frame returns before forwarding starts, so its locals never outlive preparation.
@@ -162,6 +196,7 @@ class Forwarder:
             path=path,
             headers=headers,
             scope=state.resources,
+            refold_factory=self.refold_factory,
         )
         held.parsed = None  # the refold/remap closures in `prepared` are its holders now
         return prepared, held
@@ -171,6 +206,13 @@ class Forwarder:
             if key == self._session_header:
                 return value.decode("latin-1").strip() or None
         return None
+
+
+async def _watch_disconnect(receive: Receive, gone: anyio.Event, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+    scope.cancel()
 
 
 def _upstream_path(scope: Scope) -> str:

@@ -9,15 +9,18 @@ or mount it in an existing app::
     app.mount("/llm", create_app(LifetimeSettings(upstream_url=("http://127.0.0.1:8000",))))
 
 Every path under ``PATHS`` (default ``/v1/``) is forwarded with the path appended as-is to
-the upstream base URL. ``GET /healthz`` and ``GET /lifetime/stats`` are served here.
+the upstream base URL. ``GET /healthz``, ``GET /lifetime/stats`` and ``GET /metrics``
+are served here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,16 +29,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ._access_log import AccessLog
+from ._auth import GatewayAuth
 from ._bookkeeping import Bookkeeper, SessionBook
 from ._gateway import Forwarder
+from ._metrics import GatewayMetrics, make_metrics_route
 from ._middleware import Lifetime, LifetimeMiddleware
 from ._prepare import Preparer
+from ._refold import Conversation, Refold, default_refold
 from ._settings import LifetimeSettings
+from ._shutdown import shutdown_requested
 from ._upstream import AttemptEvent, UpstreamClient
 
 __all__ = ["create_app"]
 
+logger = logging.getLogger(__name__)
+
 _FORWARDED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+_DRAIN_POLL = 0.05
 
 
 def create_app(
@@ -46,40 +57,55 @@ def create_app(
     client: httpx.AsyncClient | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     listener: Callable[[AttemptEvent], None] | None = None,
+    refold_factory: Callable[[Conversation], Refold] = default_refold,
 ) -> Starlette:
     """Build the gateway app.
 
     ``settings``: defaults to ``LifetimeSettings.from_environ()``. ``preparers`` may rewrite
     each parsed body (after it was fingerprinted). ``bookkeeper`` gets scalar outcomes (default:
-    the in-memory ``SessionBook``). ``client`` / ``transport``: your own httpx client or
-    transport for the upstream. ``listener`` sees every retry, refold and settle event.
+    the in-memory ``SessionBook``; the access log and metrics get them too). ``client`` /
+    ``transport``: your own httpx client or transport for the upstream. ``listener`` sees every
+    retry, refold, role remap and settle event. ``refold_factory`` builds the context-overflow
+    refold from a request's conversation (default: drop the oldest turns).
     """
     if settings is None:
         settings = LifetimeSettings.from_environ()
+    if settings.upstream_api_key and not settings.gateway_keys:
+        raise ValueError(
+            "ASGI_LIFETIME_UPSTREAM_API_KEY is set but ASGI_LIFETIME_GATEWAY_KEYS is empty: "
+            "clients would use the upstream key without presenting a key of their own"
+        )
     lifetime = Lifetime(settings)
     book = SessionBook(max_sessions=settings.bookkeeping_sessions, counters=lifetime.counters)
+    listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]
     upstream = UpstreamClient(
         settings=settings,
         client=client,
         transport=transport,
         counters=lifetime.counters,
-        listener=listener,
+        listener=lambda event: _fan_out(listeners, event),
     )
+    metrics = GatewayMetrics(counters=lifetime.counters, describe_upstreams=upstream.describe)
+    listeners.append(metrics.on_attempt)
+    drain = _Drain(lifetime)
     forwarder = Forwarder(
         lifetime=lifetime,
         upstream=upstream,
         preparers=preparers,
-        bookkeeper=bookkeeper if bookkeeper is not None else book,
+        bookkeepers=(bookkeeper if bookkeeper is not None else book, metrics, AccessLog()),
         book=book,
+        refold_factory=refold_factory,
     )
 
     async def healthz(request: Request) -> Response:
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def stats(request: Request) -> Response:
         return JSONResponse({**lifetime.stats().as_dict(), "upstreams": upstream.describe()})
 
-    async def not_found(request: Request, exc: Exception) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         message = exc.detail if isinstance(exc, HTTPException) else "internal error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
@@ -89,22 +115,84 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         try:
-            yield {}
+            async with anyio.create_task_group() as tg:
+                # Created here, in the loop that serves requests (an Event belongs to one loop).
+                forwarder.stop = drain.stop = anyio.Event()
+                tg.start_soon(drain.watch)
+                try:
+                    yield {}
+                finally:
+                    tg.cancel_scope.cancel()
         finally:
-            await upstream.aclose()
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            metrics.close()
 
     app = Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             Route("/lifetime/stats", stats, methods=["GET"]),
-            *(Route(prefix.rstrip("/") + "/{path:path}", forwarder, methods=_FORWARDED_METHODS)
-              for prefix in settings.paths),
+            make_metrics_route(metrics),
+            *(
+                Route(prefix.rstrip("/") + "/{path:path}", forwarder, methods=_FORWARDED_METHODS)
+                for prefix in settings.paths
+            ),
         ],
-        middleware=[Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=True)],
-        exception_handlers={HTTPException: not_found},
+        middleware=[
+            # Outermost: a stranger is refused before admission or body reading.
+            Middleware(GatewayAuth, gateway_keys=settings.gateway_keys, upstream_api_key=settings.upstream_api_key),
+            Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=True),
+        ],
+        exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )
     app.state.lifetime = lifetime
     app.state.book = book
     app.state.upstream = upstream
+    app.state.metrics = metrics
+    app.state.drain = drain
     return app
+
+
+def _fan_out(listeners: Sequence[Callable[[AttemptEvent], None]], event: AttemptEvent) -> None:
+    for each in listeners:
+        try:
+            each(event)
+        except Exception:  # one broken listener must not silence the others or the request
+            logger.exception("an attempt listener failed")
+
+
+class _Drain:
+    """Graceful shutdown: once the server's signal handler asks for it, stop admitting (503 with
+    ``Retry-After``), give in-flight streams ``SHUTDOWN_GRACE`` seconds, then end the rest
+    with an in-band error (the relays watch ``stop``)."""
+
+    def __init__(self, lifetime: Lifetime) -> None:
+        self.lifetime = lifetime
+        self.stop: anyio.Event | None = None  # set up by the lifespan; no lifespan, no draining
+        self.draining = False
+
+    async def watch(self) -> None:
+        # The signal arrives in a signal handler, outside the event loop (and for any number of
+        # apps in the process): poll the process-wide flag rather than wire an Event to it.
+        while not shutdown_requested():  # noqa: ASYNC110
+            await anyio.sleep(_DRAIN_POLL)
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Stop admitting, wait for in-flight requests up to the grace period, then stop them."""
+        self.draining = True
+        self.lifetime.admission.close("the gateway is shutting down")
+        counters = self.lifetime.counters
+        logger.warning(
+            "shutting down: %d request(s) in flight get up to %gs",
+            counters.inflight_requests,
+            self.lifetime.settings.shutdown_grace,
+        )
+        with anyio.move_on_after(self.lifetime.settings.shutdown_grace):
+            while counters.inflight_requests:  # noqa: ASYNC110  (a plain counter; polled only while draining)
+                await anyio.sleep(_DRAIN_POLL)
+        if counters.inflight_requests:
+            logger.warning("shutdown grace over: ending %d stream(s)", counters.inflight_requests)
+        if self.stop is not None:
+            self.stop.set()

@@ -1,0 +1,200 @@
+"""The gateway's operator features as wired by create_app: metrics, keys, draining, and a client
+that leaves while retries are still running."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import Message
+
+from asgi_lifetime import LifetimeSettings
+from asgi_lifetime._demo_upstream import create_demo_upstream
+from asgi_lifetime._serve import serve_in_thread
+from asgi_lifetime._shutdown import request_shutdown, reset_shutdown
+from asgi_lifetime.gateway import create_app
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def settings(**changes: Any) -> LifetimeSettings:
+    base = LifetimeSettings(
+        upstream_url=("http://upstream.test",),
+        backoff_base=0.01,
+        backoff_max=0.02,
+        admission_timeout=1,
+        stall_timeout=5,
+    )
+    return base.replace(**changes)
+
+
+def client_for(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+
+
+def completion(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(
+        200,
+        json={
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        },
+    )
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    found = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                found.append((dict(sample.labels), sample.value))
+    return found
+
+
+@pytest.mark.anyio
+async def test_metrics_endpoint_counts_requests_and_attempts() -> None:
+    calls = 0
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(503) if calls == 1 else completion(request)
+
+    app = create_app(settings(), transport=httpx.MockTransport(flaky))
+    async with client_for(app) as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert (await client.post("/v1/chat/completions", content=b"{bad")).status_code == 400
+        metrics = await client.get("/metrics")
+    assert metrics.status_code == 200
+    requests = samples(metrics.text, "asgi_lifetime_requests_total")
+    by_status = {labels["status"]: value for labels, value in requests}
+    assert by_status == {"200": 1.0, "400": 1.0}
+    assert ("upstream", "http://upstream.test") in {(k, v) for labels, _ in requests for k, v in labels.items()}
+    retries = samples(metrics.text, "asgi_lifetime_attempts_total")
+    assert [value for labels, value in retries if labels["kind"] == "retry"] == [1.0]
+    assert samples(metrics.text, "asgi_lifetime_inflight_requests") == [({}, 0.0)]
+
+
+@pytest.mark.anyio
+async def test_gateway_keys_guard_the_injected_upstream_key() -> None:
+    seen: list[httpx.Request] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return completion(request)
+
+    app = create_app(
+        settings(upstream_api_key="sk-up-SECRET", gateway_keys=("client-1",)), transport=httpx.MockTransport(upstream)
+    )
+    async with client_for(app) as client:
+        refused = await client.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer nope"})
+        missing = await client.post("/v1/chat/completions", json=CHAT)
+        accepted = await client.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer client-1"})
+        health = await client.get("/healthz")
+    assert refused.status_code == missing.status_code == 401
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    assert accepted.status_code == 200 and health.status_code == 200
+    assert len(seen) == 1  # nothing forwarded for the refused requests
+    assert seen[0].headers["authorization"] == "Bearer sk-up-SECRET"
+    for response in (refused, missing, accepted):
+        assert "sk-up-SECRET" not in response.text
+    assert app.state.lifetime.stats().admitted == 1  # refused before admission
+
+
+def test_upstream_key_without_gateway_keys_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="GATEWAY_KEYS") as excinfo:
+        create_app(settings(upstream_api_key="sk-up-SECRET"))
+    assert "sk-up-SECRET" not in str(excinfo.value)
+
+
+@pytest.mark.anyio
+async def test_client_leaving_during_backoff_stops_the_retries() -> None:
+    calls = 0
+
+    def always_busy(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(503, headers={"retry-after": "30"})
+
+    app = create_app(
+        settings(max_attempts=5, retry_after_cap=30, retry_deadline=120), transport=httpx.MockTransport(always_busy)
+    )
+    body = json.dumps(CHAT).encode()
+    sent: list[Message] = []
+    queue: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> Message:
+        if queue:
+            return queue.pop(0)
+        await anyio.sleep(0.3)  # the client hangs up while the gateway waits out Retry-After
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "server": ("testserver", 80),
+        "client": ("127.0.0.1", 1),
+        "app": app,
+    }
+    started = time.monotonic()
+    with anyio.fail_after(5):
+        await app(scope, receive, send)
+    assert time.monotonic() - started < 3  # not 30 s of backoff for a client that is gone
+    assert calls == 1
+    assert sent == []  # nothing to deliver to a client that left
+    stats = app.state.lifetime.stats()
+    assert stats.idle and stats.retained_input_bytes == 0
+
+
+@pytest.fixture
+def shutdown_flag() -> Iterator[None]:
+    reset_shutdown()
+    try:
+        yield
+    finally:
+        reset_shutdown()
+
+
+def test_draining_ends_streams_after_the_grace_and_refuses_new_requests(shutdown_flag: None) -> None:
+    upstream_app = create_demo_upstream(tokens_per_second=20)
+    with serve_in_thread(upstream_app) as upstream:
+        app = create_app(LifetimeSettings(upstream_url=(upstream,), shutdown_grace=0.5, keepalive_interval=5))
+        with serve_in_thread(app) as base, httpx.Client(base_url=base, timeout=10) as client:
+            stream_body = {**CHAT, "stream": True, "max_tokens": 400}  # about 20 s at this pace
+            with client.stream("POST", "/v1/chat/completions", json=stream_body) as response:
+                chunks = response.iter_text()
+                first = next(chunks)
+                assert '"content"' in first
+                started = time.monotonic()
+                request_shutdown()
+                deadline = time.monotonic() + 5
+                while client.get("/healthz").status_code != 503 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                refused = client.post("/v1/chat/completions", json=CHAT)
+                rest = "".join(chunks)
+                ended_after = time.monotonic() - started
+            assert refused.status_code == 503 and "retry-after" in refused.headers
+            assert "shutting down" in refused.json()["error"]["message"]
+            assert "event: error" in rest and "shutting_down" in rest
+            assert 0.4 < ended_after < 3  # given its grace, then ended; not the ~20 s stream
+            deadline = time.monotonic() + 5
+            while not app.state.lifetime.stats().idle and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert app.state.lifetime.stats().idle
