@@ -6,26 +6,36 @@ Serve your own: build `settings` with your upstream and run `uvicorn examples.mo
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI
 
 from asgi_lifetime import LifetimeSettings
-from asgi_lifetime._demo_upstream import create_demo_upstream
-from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.testing import create_demo_upstream, serve_in_thread
 
 
 def build_app(upstream_url: str) -> FastAPI:
-    app = FastAPI()
+    gateway = create_app(LifetimeSettings(upstream_url=(upstream_url,)))
+
+    # Starlette does not run a mounted app's lifespan: run the gateway's inside the host's,
+    # so its upstream connections are closed (and graceful draining works) at shutdown.
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with gateway.router.lifespan_context(gateway):
+            yield
+
+    app = FastAPI(lifespan=lifespan)
 
     @app.get("/hello")
     async def hello() -> dict[str, str]:
         return {"hello": "world"}
 
     # /llm/v1/chat/completions is forwarded to {upstream_url}/v1/chat/completions.
-    app.mount("/llm", create_app(LifetimeSettings(upstream_url=(upstream_url,))))
+    app.mount("/llm", gateway)
     return app
 
 

@@ -17,9 +17,8 @@ from collections import Counter
 import httpx
 
 from asgi_lifetime import LifetimeSettings
-from asgi_lifetime._demo_upstream import create_demo_upstream
-from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.testing import create_demo_upstream, serve_in_thread
 
 
 def main() -> int:

@@ -1,0 +1,42 @@
+"""The public API is what ``asgi_lifetime.__all__`` says, and nothing public is left out of it."""
+
+from __future__ import annotations
+
+import types
+
+import asgi_lifetime
+import asgi_lifetime.gateway
+import asgi_lifetime.testing
+
+
+def test_all_is_sorted_and_every_name_exists() -> None:
+    assert asgi_lifetime.__all__ == sorted(asgi_lifetime.__all__)
+    for name in asgi_lifetime.__all__:
+        assert hasattr(asgi_lifetime, name), name
+
+
+def test_every_public_name_is_exported() -> None:
+    public = {
+        name
+        for name, value in vars(asgi_lifetime).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert public <= set(asgi_lifetime.__all__)
+
+
+def test_public_objects_are_defined_in_the_package() -> None:
+    for name in asgi_lifetime.__all__:
+        value = getattr(asgi_lifetime, name)
+        module = getattr(value, "__module__", "asgi_lifetime")
+        if isinstance(value, type) or callable(value):
+            assert module.startswith("asgi_lifetime"), (name, module)
+
+
+def test_submodule_apis() -> None:
+    assert asgi_lifetime.gateway.__all__ == ["create_app"]
+    assert set(asgi_lifetime.testing.__all__) == {
+        "DemoStats",
+        "create_demo_upstream",
+        "parse_behaviour",
+        "serve_in_thread",
+    }
