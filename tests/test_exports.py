@@ -24,12 +24,11 @@ def test_every_public_name_is_exported() -> None:
     assert public <= set(asgi_lifetime.__all__)
 
 
-def test_public_objects_are_defined_in_the_package() -> None:
+def test_public_classes_and_functions_are_defined_in_the_package() -> None:
     for name in asgi_lifetime.__all__:
         value = getattr(asgi_lifetime, name)
-        module = getattr(value, "__module__", "asgi_lifetime")
-        if isinstance(value, type) or callable(value):
-            assert module.startswith("asgi_lifetime"), (name, module)
+        if isinstance(value, (type, types.FunctionType)):
+            assert value.__module__.startswith("asgi_lifetime"), (name, value.__module__)
 
 
 def test_submodule_apis() -> None:
