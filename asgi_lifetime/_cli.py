@@ -1,0 +1,509 @@
+"""The ``asgi-lifetime`` command (also ``python -m asgi_lifetime``): serve, settings, demo.
+
+::
+
+    asgi-lifetime serve --upstream https://api.example.com --host 0.0.0.0 --workers 4
+    asgi-lifetime settings --max-body-bytes 32MiB     # what would run, and where each value comes from
+    asgi-lifetime settings --format markdown          # the reference table in docs/operators.md
+    asgi-lifetime demo --size-mib 8
+
+Every setting in ``SETTINGS`` is also a flag. ``serve`` validates the effective settings once
+(flag > environment > .env file > default), exports them as ``ASGI_LIFETIME_*`` variables and
+runs uvicorn with the factory ``asgi_lifetime.gateway:create_app``, so one worker and N workers
+build their app the same way: from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import fields
+from types import FrameType
+from typing import Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
+
+import uvicorn
+from uvicorn.supervisors import Multiprocess, multiprocess
+
+from . import __version__
+from ._auth import is_loopback
+from ._settings import (
+    ENV_PREFIX,
+    SETTINGS,
+    GiB,
+    KiB,
+    LifetimeSettings,
+    MiB,
+    SettingSpec,
+    _parse_bool,
+    _parse_float,
+    _parse_int,
+    _parse_list,
+    _parse_size,
+    collect_environ,
+)
+from ._shutdown import request_shutdown
+
+__all__ = [
+    "build_parser",
+    "export_environ",
+    "flag_values",
+    "format_value",
+    "is_loopback",
+    "main",
+    "redact_url",
+    "refusal",
+    "resolve_settings",
+    "settings_markdown",
+    "settings_report",
+]
+
+PROG = "asgi-lifetime"
+GATEWAY_FACTORY = "asgi_lifetime.gateway:create_app"
+COMMAND_LINE = "command line"
+DEFAULT = "default"
+# After SHUTDOWN_GRACE the gateway ends the streams itself; this is uvicorn's hard backstop beyond that.
+SHUTDOWN_BACKSTOP = 5.0
+
+_DESCRIPTION = """\
+An LLM API gateway that keeps each request's input only as long as it is needed:
+the body is read once, fingerprinted, prepared and forwarded, and released the
+moment upstream retries settle, before the answer streams."""
+
+_EPILOG = """\
+examples:
+  asgi-lifetime serve --upstream https://api.example.com --host 0.0.0.0 --workers 4
+  asgi-lifetime serve --upstream http://10.0.0.5:8000 --upstream http://10.0.0.6:8000
+  asgi-lifetime serve                  # no upstream: a loudly announced DEMO upstream on loopback
+  asgi-lifetime settings --env-file prod.env
+  asgi-lifetime settings --format markdown
+  asgi-lifetime demo                   # 64 MiB through the gateway, offline, no API key
+
+Every setting is a flag, an ASGI_LIFETIME_* environment variable and a .env line;
+precedence: flag > environment > .env file > default. Reference: docs/operators.md."""
+
+_SERVE_EPILOG = """\
+With UPSTREAM_API_KEY set, clients must present one of GATEWAY_KEYS; without
+GATEWAY_KEYS the gateway only starts on a loopback host. Without an upstream it
+serves a built-in DEMO upstream (lorem ipsum, not a real model).
+SIGTERM/SIGINT: stop admitting, let streams finish for up to SHUTDOWN_GRACE
+seconds, then exit 0."""
+
+
+class CommandError(Exception):
+    """A problem the operator must fix; printed as one line, exit status 2."""
+
+
+# ---------------------------------------------------------------------------
+# Settings: flags, sources, validation, export
+# ---------------------------------------------------------------------------
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(LifetimeSettings)}
+
+
+def _flag(name: str) -> str:
+    """The setting's flag; UPSTREAM_URL's is ``--upstream`` (``--upstream-url`` also works)."""
+    return "--upstream" if name == "upstream_url" else "--" + name.replace("_", "-")
+
+
+def _metavar(spec: SettingSpec) -> str:
+    if spec.secret:
+        return "KEY,KEY" if spec.parse is _parse_list else "KEY"
+    if spec.parse is _parse_size:
+        return "SIZE"
+    if spec.parse is _parse_int:
+        return "N"
+    if spec.parse is _parse_float:
+        return "SECONDS"  # every float setting is a duration
+    if spec.parse is _parse_bool:
+        return "BOOL"
+    if spec.parse is _parse_list:
+        return "A,B"
+    return "TEXT"
+
+
+def format_value(spec: SettingSpec, value: Any) -> str:
+    """A value as an operator would write it (``64MiB``, ``30``, ``true``, ``a,b``); secrets masked."""
+    if spec.secret:
+        return "***" if value else "(unset)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if spec.parse is _parse_size and isinstance(value, int):
+        for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+            if value >= size and value % size == 0:
+                return f"{value // size}{unit}"
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        items = [redact_url(v) for v in value] if spec.name == "upstream_url" else list(value)
+        return ",".join(items) if items else "(none)"
+    return "(unset)" if value is None else str(value)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), for output."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _env_text(value: Any) -> str:
+    """A validated value as text its parser reads back to the same value (secrets included)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """``--upstream`` and one flag per setting, generated from ``SETTINGS`` (values parsed later)."""
+    parser.add_argument(
+        "--env-file",
+        metavar="PATH",
+        help="read ASGI_LIFETIME_* lines from this file (default: ./.env if it exists)",
+    )
+    group = parser.add_argument_group(
+        "settings",
+        "Each flag overrides its ASGI_LIFETIME_* variable.\nPrecedence: flag > environment > .env file > default.",
+    )
+    for name, spec in SETTINGS.items():
+        default = format_value(spec, _DEFAULTS[name])
+        help_text = f"{spec.help} [{spec.env}; default {default}]"
+        if spec.secret:
+            help_text += " Prefer the environment: a command line is visible to other local users."
+        if name == "upstream_url":
+            group.add_argument(
+                _flag(name),
+                "--upstream-url",
+                dest=name,
+                action="append",
+                metavar="URL",
+                help=f"{spec.help} May repeat. [{spec.env}; default: none, a DEMO upstream is served]",
+            )
+            continue
+        group.add_argument(_flag(name), dest=name, metavar=_metavar(spec), help=help_text.replace("%", "%%"))
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, str]:
+    """The settings given as flags, as raw text by setting name (repeated ``--upstream`` joined)."""
+    values: dict[str, str] = {}
+    for name in SETTINGS:
+        raw = getattr(args, name, None)
+        if raw is None:
+            continue
+        values[name] = ",".join(raw) if isinstance(raw, list) else str(raw)
+    return values
+
+
+def resolve_settings(
+    flags: Mapping[str, str], environ: Mapping[str, str], *, env_file: str | None
+) -> tuple[LifetimeSettings, dict[str, str]]:
+    """The effective settings and each one's source (flag > environment > env file > default).
+
+    ``env_file``: a path that must exist, or ``None`` for ``./.env`` if it exists. Any invalid
+    value raises ``CommandError`` naming the setting and where it came from.
+    """
+    if env_file is not None and not os.path.isfile(env_file):
+        raise CommandError(f"--env-file {env_file}: no such file")
+    try:
+        found = collect_environ(environ, env_file=env_file if env_file is not None else ".env")
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    raw = {name: text for name, (text, _) in found.items()}
+    sources = {name: source for name, (_, source) in found.items()}
+    for name, text in flags.items():
+        raw[name] = text
+        sources[name] = COMMAND_LINE
+    try:
+        settings = LifetimeSettings.from_mapping(raw)
+    except ValueError as exc:
+        raise CommandError(_with_source(str(exc), sources)) from None
+    return settings, {name: sources.get(name, DEFAULT) for name in SETTINGS}
+
+
+def _with_source(message: str, sources: Mapping[str, str]) -> str:
+    """Say where the offending value came from, so the operator knows what to edit."""
+    for name, spec in SETTINGS.items():
+        if message.startswith(spec.env + "="):
+            source = sources.get(name, DEFAULT)
+            where = f"set by {_flag(name)}" if source == COMMAND_LINE else f"from the {source}"
+            return f"{message} ({where})" if source != DEFAULT else message
+    return message
+
+
+def export_environ(settings: LifetimeSettings, environ: MutableMapping[str, str]) -> None:
+    """Write every setting as ``ASGI_LIFETIME_<NAME>``, for ``create_app()`` in the worker processes."""
+    for name, spec in SETTINGS.items():
+        environ[spec.env] = _env_text(getattr(settings, name))
+
+
+def refusal(settings: LifetimeSettings, host: str) -> str | None:
+    """Why the gateway must not start on ``host`` with these settings, or ``None``.
+
+    With an upstream key and no gateway keys, anyone who can reach the port spends the key:
+    that is only acceptable on a loopback address.
+    """
+    if settings.upstream_api_key and not settings.gateway_keys and not is_loopback(host):
+        return (
+            f"refusing to serve on {host}: {ENV_PREFIX}UPSTREAM_API_KEY is set but {ENV_PREFIX}GATEWAY_KEYS is not, "
+            "so anyone who can reach this port would spend the key; set GATEWAY_KEYS or bind a loopback --host"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------
+# settings
+# ---------------------------------------------------------------------------
+
+
+def settings_report(settings: LifetimeSettings, sources: Mapping[str, str]) -> str:
+    """One line per setting: ENV name, value (secrets masked), source."""
+    rows = [(spec.env, format_value(spec, getattr(settings, name)), sources[name]) for name, spec in SETTINGS.items()]
+    name_width = max(len(env) for env, _, _ in rows)
+    value_width = min(40, max(len(value) for _, value, _ in rows))
+    return "\n".join(f"{env:<{name_width}}  {value:<{value_width}}  {source}" for env, value, source in rows)
+
+
+def settings_markdown() -> str:
+    """The settings reference table (name, environment variable, default, description)."""
+    lines = ["| Setting | Environment variable | Default | Description |", "|---|---|---|---|"]
+    for name, spec in SETTINGS.items():
+        default = format_value(spec, _DEFAULTS[name])
+        description = (spec.help + (" Secret: masked in every report." if spec.secret else "")).replace("|", "\\|")
+        lines.append(f"| `{_flag(name)}` | `{spec.env}` | `{default}` | {description} |")
+    return "\n".join(lines)
+
+
+def _cmd_settings(args: argparse.Namespace) -> int:
+    if args.format == "markdown":
+        print(settings_markdown())
+        return 0
+    settings, sources = resolve_settings(flag_values(args), os.environ, env_file=args.env_file)
+    print(settings_report(settings, sources))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# serve
+# ---------------------------------------------------------------------------
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, telling the gateway to drain the moment a stop signal arrives."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        request_shutdown()
+        super().handle_exit(sig, frame)
+
+
+class _WorkerProcess(multiprocess.Process):
+    """A uvicorn worker process that runs ``_GracefulServer``."""
+
+    @property
+    def server(self) -> uvicorn.Server:
+        if self._server is None:
+            self._server = _GracefulServer(config=self.config)
+        return self._server
+
+
+def _run_workers(config: uvicorn.Config) -> None:
+    """Run N workers as ``uvicorn.run`` does: one bound socket, the Multiprocess supervisor."""
+    sock = config.bind_socket()
+    try:
+        if "target" in inspect.signature(Multiprocess).parameters:  # uvicorn before the target-less supervisor
+            supervisor: Any = Multiprocess
+            supervisor(config, target=_GracefulServer(config=config).run, sockets=[sock]).run()
+            return
+        # Current uvicorn builds each worker's server in multiprocess.Process.server; the
+        # supervisor (this process only) must create our subclass, also for restarted workers.
+        original = multiprocess.Process
+        setattr(multiprocess, "Process", _WorkerProcess)  # noqa: B010 - a class attribute assignment mypy refuses
+        try:
+            Multiprocess(config, sockets=[sock]).run()
+        finally:
+            setattr(multiprocess, "Process", original)  # noqa: B010
+    finally:
+        sock.close()
+
+
+def _stopped(signum: int, frame: FrameType | None) -> NoReturn:
+    # uvicorn re-raises the stop signal once it has shut down gracefully; that is a clean exit.
+    raise SystemExit(0)
+
+
+class _ThreadFilter(logging.Filter):
+    """Drops the records logged from one thread."""
+
+    def __init__(self, thread_name: str) -> None:
+        super().__init__()
+        self.thread_name = thread_name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != self.thread_name
+
+
+@contextlib.contextmanager
+def _demo_upstream_if_needed(settings: LifetimeSettings) -> Iterator[LifetimeSettings]:
+    if settings.upstream_url:
+        yield settings
+        return
+    from ._demo_upstream import create_demo_upstream
+    from ._serve import serve_in_thread
+
+    with serve_in_thread(create_demo_upstream(tokens_per_second=50.0), shutdown_timeout=5.0) as url:
+        # uvicorn's loggers are process-wide: without this, the demo's access log reads like the gateway's.
+        quiet = _ThreadFilter(f"asgi-lifetime-serve-{url.rsplit(':', 1)[1]}")
+        for name in ("uvicorn.access", "uvicorn.error"):
+            logging.getLogger(name).addFilter(quiet)
+        banner = f"no upstream configured: serving the built-in DEMO upstream at {url} — not a real model"
+        hint = "Answers are lorem ipsum. Forward to a real model with --upstream URL (or ASGI_LIFETIME_UPSTREAM_URL)."
+        width = max(len(banner), len(hint)) + 4
+        rule = "!" * width
+        print(f"{rule}\n! {banner:<{width - 4}} !\n! {hint:<{width - 4}} !\n{rule}", file=sys.stderr, flush=True)
+        yield settings.replace(upstream_url=(url,))
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    settings, _ = resolve_settings(flag_values(args), os.environ, env_file=args.env_file)
+    problem = refusal(settings, args.host)
+    if problem:
+        raise CommandError(problem)
+    if args.workers < 1:
+        raise CommandError(f"--workers={args.workers} is invalid: must be at least 1")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stopped)
+    try:
+        with _demo_upstream_if_needed(settings) as effective:
+            export_environ(effective, os.environ)
+            config = uvicorn.Config(
+                GATEWAY_FACTORY,
+                factory=True,
+                host=args.host,
+                port=args.port,
+                workers=args.workers,
+                log_level=args.log_level,
+                proxy_headers=args.proxy_headers,
+                forwarded_allow_ips=args.forwarded_allow_ips,
+                timeout_keep_alive=args.timeout_keep_alive,
+                timeout_graceful_shutdown=math.ceil(effective.shutdown_grace + SHUTDOWN_BACKSTOP),
+                lifespan="on",
+            )
+            upstreams = ", ".join(redact_url(url) for url in effective.upstream_url)
+            paths = ", ".join(effective.paths)
+            workers = f"{args.workers} worker{'s' if args.workers != 1 else ''}"
+            print(f"{PROG} {__version__}: forwarding {paths} to {upstreams} ({workers})", file=sys.stderr, flush=True)
+            if args.workers > 1:
+                _run_workers(config)
+                return 0
+            server = _GracefulServer(config)
+            server.run()
+            return 0 if server.started else 3
+    except KeyboardInterrupt:  # SIGINT re-raised after a graceful shutdown
+        return 0
+
+
+# ---------------------------------------------------------------------------
+# Parser and entry point
+# ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    commands.required = True
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the gateway under uvicorn",
+        description="Run the gateway (asgi_lifetime.gateway:create_app) under uvicorn.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=formatter,
+    )
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    server.add_argument("--port", type=int, default=8080, help="port to bind (default %(default)s)")
+    server.add_argument("--workers", type=int, default=1, help="worker processes (default %(default)s)")
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn log level (default %(default)s)",
+    )
+    server.add_argument(
+        "--proxy-headers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="trust X-Forwarded-For/-Proto from --forwarded-allow-ips (default on)",
+    )
+    server.add_argument(
+        "--forwarded-allow-ips",
+        metavar="IPS",
+        help="comma-separated proxy addresses or networks trusted for proxy headers "
+        "(default: $FORWARDED_ALLOW_IPS or 127.0.0.1)",
+    )
+    server.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        metavar="SECONDS",
+        help="close idle client connections after this long; behind a load balancer, set it above "
+        "the balancer's idle timeout (default %(default)s)",
+    )
+    add_setting_flags(serve)
+    serve.set_defaults(handler=_cmd_serve)
+
+    report = commands.add_parser(
+        "settings",
+        help="show the effective settings and where each comes from",
+        description="Print the effective settings: ENV name, value (secrets masked), source.",
+        formatter_class=formatter,
+    )
+    report.add_argument(
+        "--format",
+        choices=["text", "markdown"],
+        default="text",
+        help="text: effective values and sources; markdown: the reference table of every setting",
+    )
+    add_setting_flags(report)
+    report.set_defaults(handler=_cmd_settings)
+
+    from . import _demo
+
+    demo = commands.add_parser(
+        "demo",
+        help="send a large request through the gateway to a DEMO upstream, offline",
+        description=_demo.DESCRIPTION,
+        formatter_class=formatter,
+    )
+    _demo.add_arguments(demo)
+    demo.set_defaults(handler=_demo.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for a configuration problem)."""
+    args = build_parser().parse_args(argv)
+    try:
+        status: int = args.handler(args)
+    except CommandError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    return status

@@ -1,0 +1,432 @@
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from asgi_lifetime import GiB, KiB, LifetimeSettings, MiB, __version__
+from asgi_lifetime._cli import (
+    build_parser,
+    export_environ,
+    flag_values,
+    is_loopback,
+    main,
+    refusal,
+    resolve_settings,
+    settings_markdown,
+)
+from asgi_lifetime._demo_upstream import create_demo_upstream
+from asgi_lifetime._serve import serve_in_thread
+from asgi_lifetime._settings import ENV_PREFIX, SETTINGS
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
+SECRET = "sk-do-not-print-9f3a1c"
+
+# One valid, non-default flag value per setting, and what it parses to.
+SAMPLES: dict[str, tuple[str, Any]] = {
+    "max_body_bytes": ("32MiB", 32 * MiB),
+    "body_idle_timeout": ("12.5", 12.5),
+    "max_inflight": ("3", 3),
+    "max_inflight_bytes": ("2GiB", 2 * GiB),
+    "admission_timeout": ("0", 0.0),
+    "paths": ("/v1/,/v2/", ("/v1/", "/v2/")),
+    "upstream_url": ("http://10.0.0.5:8000", ("http://10.0.0.5:8000",)),
+    "max_attempts": ("2", 2),
+    "retry_deadline": ("30", 30.0),
+    "backoff_base": ("0.1", 0.1),
+    "backoff_max": ("2", 2.0),
+    "retry_after_cap": ("5", 5.0),
+    "connect_timeout": ("3", 3.0),
+    "headers_timeout": ("60", 60.0),
+    "stall_timeout": ("45", 45.0),
+    "keepalive_interval": ("5", 5.0),
+    "retain_outbound": ("false", False),
+    "session_header": ("x-conversation", "x-conversation"),
+    "bookkeeping_sessions": ("100", 100),
+    "error_body_limit": ("8KiB", 8 * KiB),
+    "upstream_api_key": (SECRET, SECRET),
+    "gateway_keys": ("gk-1,gk-2", ("gk-1", "gk-2")),
+    "upstream_cooloff": ("1", 1.0),
+    "shutdown_grace": ("10", 10.0),
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No ASGI_LIFETIME_* from the developer's shell, no ./.env from the checkout."""
+    for key in list(os.environ):
+        if key.startswith(ENV_PREFIX):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+
+
+def resolve(argv: list[str], environ: dict[str, str] | None = None, env_file: str | None = None) -> Any:
+    args = build_parser().parse_args(["settings", *argv])
+    return resolve_settings(flag_values(args), environ or {}, env_file=env_file)
+
+
+def never_serve(*args: object, **kwargs: object) -> None:
+    raise AssertionError("this test must not start a server")
+
+
+def subprocess_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+
+
+# --- parsing -------------------------------------------------------------------------
+
+
+def test_every_setting_has_a_sample() -> None:
+    assert set(SAMPLES) == set(SETTINGS)
+
+
+@pytest.mark.parametrize("name", list(SAMPLES))
+def test_each_setting_is_a_flag(name: str) -> None:
+    text, expected = SAMPLES[name]
+    flag = "--upstream" if name == "upstream_url" else "--" + name.replace("_", "-")
+    settings, sources = resolve([flag, text])
+    assert getattr(settings, name) == expected
+    assert sources[name] == "command line"
+    assert all(source == "default" for other, source in sources.items() if other != name)
+
+
+def test_precedence_flag_over_environment_over_env_file_over_default(tmp_path: Path) -> None:
+    env_file = tmp_path / "gateway.env"
+    env_file.write_text(f"{ENV_PREFIX}MAX_INFLIGHT=7\n{ENV_PREFIX}STALL_TIMEOUT=11\n{ENV_PREFIX}KEEPALIVE_INTERVAL=3\n")
+    environ = {f"{ENV_PREFIX}MAX_INFLIGHT": "8", f"{ENV_PREFIX}STALL_TIMEOUT": "22"}
+    settings, sources = resolve(["--max-inflight", "9"], environ, env_file=str(env_file))
+    assert (settings.max_inflight, sources["max_inflight"]) == (9, "command line")
+    assert (settings.stall_timeout, sources["stall_timeout"]) == (22.0, "environment")
+    assert (settings.keepalive_interval, sources["keepalive_interval"]) == (3.0, f"env file {env_file}")
+    assert (settings.max_attempts, sources["max_attempts"]) == (4, "default")
+
+
+def test_dot_env_in_the_working_directory_is_read_by_default(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text(f"{ENV_PREFIX}MAX_ATTEMPTS=2\n")
+    settings, sources = resolve([])
+    assert (settings.max_attempts, sources["max_attempts"]) == (2, "env file .env")
+
+
+def test_upstream_repeats_and_accepts_lists() -> None:
+    argv = ["--upstream", "http://a:1", "--upstream", "http://b:2,http://c:3", "--upstream-url", "http://d:4"]
+    settings, sources = resolve(argv, {f"{ENV_PREFIX}UPSTREAM_URL": "http://env:9"})
+    assert settings.upstream_url == ("http://a:1", "http://b:2", "http://c:3", "http://d:4")
+    assert sources["upstream_url"] == "command line"
+
+
+def test_exported_environment_rebuilds_the_same_settings() -> None:
+    settings = LifetimeSettings.from_mapping({name: text for name, (text, _) in SAMPLES.items()})
+    environ: dict[str, str] = {}
+    export_environ(settings, environ)
+    assert set(environ) == {spec.env for spec in SETTINGS.values()}
+    assert LifetimeSettings.from_environ(environ, env_file=None) == settings
+    defaults: dict[str, str] = {}
+    export_environ(LifetimeSettings(), defaults)
+    assert LifetimeSettings.from_environ(defaults, env_file=None) == LifetimeSettings()
+
+
+# --- bad settings: one line, exit 2 ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "env_file", "expected"),
+    [
+        (
+            ["--max-inflight", "0"],
+            {},
+            None,
+            "asgi-lifetime: ASGI_LIFETIME_MAX_INFLIGHT=0 is invalid: must be at least 1 (set by --max-inflight)",
+        ),
+        ([], {"ASGI_LIFETIME_MAX_INFLIGHT": "0"}, None, "(from the environment)"),
+        ([], {}, "ASGI_LIFETIME_BACKOFF_MAX=nope\n", "ASGI_LIFETIME_BACKOFF_MAX=nope is invalid"),
+        (["--max-body-bytes", "lots"], {}, None, "ASGI_LIFETIME_MAX_BODY_BYTES=lots is invalid: expected a byte size"),
+        (["--retain-outbound", "maybe"], {}, None, "ASGI_LIFETIME_RETAIN_OUTBOUND=maybe is invalid"),
+        (["--upstream", "ftp://x"], {}, None, "ASGI_LIFETIME_UPSTREAM_URL=ftp://x is invalid"),
+        (["--max-body-bytes", "2GiB"], {}, None, "ASGI_LIFETIME_MAX_INFLIGHT_BYTES=1073741824 is invalid"),
+        ([], {"ASGI_LIFETIME_MAX_INFLIGT": "3"}, None, "unknown setting 'ASGI_LIFETIME_MAX_INFLIGT'"),
+        (["--env-file", "missing.env"], {}, None, "asgi-lifetime: --env-file missing.env: no such file"),
+        (["--upstream-api-key", SECRET, "--host", "0.0.0.0"], {}, None, "refusing to serve on 0.0.0.0"),
+        (["--workers", "0", "--upstream", "http://a:1"], {}, None, "--workers=0 is invalid"),
+    ],
+)
+def test_a_bad_setting_is_one_line_and_exit_2(
+    argv: list[str],
+    environ: dict[str, str],
+    env_file: str | None,
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setattr(uvicorn.Server, "run", never_serve)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    if env_file is not None:
+        (tmp_path / ".env").write_text(env_file)
+    assert main(["serve", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("asgi-lifetime: ")
+    assert expected in err
+    assert "Traceback" not in err and SECRET not in err
+
+
+def test_a_bad_setting_in_a_real_process(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "asgi_lifetime", "serve", "--max-inflight", "0"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=subprocess_env(),
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "asgi-lifetime: ASGI_LIFETIME_MAX_INFLIGHT=0 is invalid: must be at least 1 (set by --max-inflight)"
+    ]
+
+
+# --- the key rule ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("LOCALHOST", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.1", False),
+        ("192.168.1.20", False),
+        ("example.com", False),
+        ("", False),
+    ],
+)
+def test_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize(
+    ("key", "gateway_keys", "host", "refused"),
+    [
+        (SECRET, (), "0.0.0.0", True),
+        (SECRET, (), "10.0.0.1", True),
+        (SECRET, (), "127.0.0.1", False),
+        (SECRET, (), "::1", False),
+        (SECRET, (), "localhost", False),
+        (SECRET, ("gk",), "0.0.0.0", False),
+        (None, (), "0.0.0.0", False),
+    ],
+)
+def test_refusal(key: str | None, gateway_keys: tuple[str, ...], host: str, refused: bool) -> None:
+    settings = LifetimeSettings(upstream_api_key=key, gateway_keys=gateway_keys)
+    problem = refusal(settings, host)
+    assert (problem is not None) is refused
+    if problem is not None:
+        assert "UPSTREAM_API_KEY" in problem and "GATEWAY_KEYS" in problem and SECRET not in problem
+
+
+def test_refusal_in_a_real_process(tmp_path: Path) -> None:
+    env = {**subprocess_env(), f"{ENV_PREFIX}UPSTREAM_API_KEY": SECRET}
+    done = subprocess.run(
+        [sys.executable, "-m", "asgi_lifetime", "serve", "--host", "0.0.0.0", "--upstream", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("asgi-lifetime: refusing to serve on 0.0.0.0")
+    assert SECRET not in done.stdout + done.stderr
+
+
+# --- settings ---------------------------------------------------------------------------
+
+
+def test_settings_report_has_sources_and_masks_secrets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv(f"{ENV_PREFIX}UPSTREAM_API_KEY", SECRET)
+    monkeypatch.setenv(f"{ENV_PREFIX}STALL_TIMEOUT", "33")
+    (tmp_path / "prod.env").write_text(f"{ENV_PREFIX}GATEWAY_KEYS=gk-secret-1,gk-secret-2\n")
+    assert main(["settings", "--env-file", "prod.env", "--max-body-bytes", "8MiB", "--upstream", "http://a:1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
+    assert set(rows) == {spec.env for spec in SETTINGS.values()}
+    assert rows[f"{ENV_PREFIX}MAX_BODY_BYTES"] == ["8MiB", "command", "line"]
+    assert rows[f"{ENV_PREFIX}UPSTREAM_URL"] == ["http://a:1", "command", "line"]
+    assert rows[f"{ENV_PREFIX}STALL_TIMEOUT"] == ["33", "environment"]
+    assert rows[f"{ENV_PREFIX}UPSTREAM_API_KEY"] == ["***", "environment"]
+    assert rows[f"{ENV_PREFIX}GATEWAY_KEYS"] == ["***", "env", "file", "prod.env"]
+    assert rows[f"{ENV_PREFIX}MAX_ATTEMPTS"] == ["4", "default"]
+    assert SECRET not in out and "gk-secret" not in out
+
+
+def test_settings_markdown_is_the_table_in_the_operators_guide(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["settings", "--format", "markdown"]) == 0
+    generated = capsys.readouterr().out.strip()
+    assert generated == settings_markdown()
+    text = DOCS.read_text()
+    begin, end = "<!-- settings:begin -->", "<!-- settings:end -->"
+    assert text.count(begin) == 1 and text.count(end) == 1
+    pasted = text.split(begin, 1)[1].split(end, 1)[0].strip()
+    assert pasted == generated, "docs/operators.md is stale: paste `asgi-lifetime settings --format markdown`"
+    for spec in SETTINGS.values():
+        assert f"`{spec.env}`" in generated and spec.help in generated
+    assert "<!-- metrics -->" in text
+
+
+# --- help and version -------------------------------------------------------------------
+
+
+def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("serve", "settings", "demo"):
+        assert f"    {command}  " in out
+    assert "examples:" in out and "asgi-lifetime serve --upstream" in out
+
+
+def test_serve_help_lists_every_setting_with_its_environment_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    assert exited.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # undo argparse's wrapping
+    for name, spec in SETTINGS.items():
+        assert ("--upstream" if name == "upstream_url" else "--" + name.replace("_", "-")) in out
+        assert spec.env in out
+        assert spec.help in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"asgi-lifetime {__version__}"
+
+
+def test_a_command_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2
+
+
+# --- serve, end to end in a real process ------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(argv: list[str], tmp_path: Path, *, startup: float = 20.0) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``python -m asgi_lifetime serve ARGV`` on a free port until /healthz answers."""
+    port = free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "asgi_lifetime", "serve", "--port", str(port), "--log-level", "warning", *argv],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+        env=subprocess_env(),
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the gateway did not answer /healthz in time"
+            time.sleep(0.05)
+        yield process, base
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        log.close()
+
+
+def chat(base: str) -> str:
+    body = {"model": "demo", "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": "hello"}]}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=10) as response:
+        assert response.status_code == 200
+        return response.read().decode()
+
+
+def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    process.send_signal(sig)
+    return process.wait(timeout=15)
+
+
+def test_serve_end_to_end_and_sigterm_exits_0(tmp_path: Path) -> None:
+    with serve_in_thread(create_demo_upstream(tokens_per_second=1000)) as upstream:
+        with serving(["--upstream", upstream], tmp_path) as (process, base):
+            text = chat(base)
+            assert "data: [DONE]" in text and '"content"' in text
+            stats = httpx.get(f"{base}/lifetime/stats", timeout=5).json()
+            assert stats["completed"] == 1
+            started = time.monotonic()
+            assert stop(process) == 0
+            assert time.monotonic() - started < 10
+    assert "DEMO" not in (tmp_path / "serve.log").read_text()
+
+
+def test_serve_with_several_workers(tmp_path: Path) -> None:
+    with serve_in_thread(create_demo_upstream(tokens_per_second=1000)) as upstream:
+        with serving(["--upstream", upstream, "--workers", "2"], tmp_path) as (process, base):
+            for _ in range(4):
+                assert "data: [DONE]" in chat(base)
+            assert stop(process) == 0
+
+
+def test_serve_without_upstream_announces_and_serves_the_demo_upstream(tmp_path: Path) -> None:
+    with serving([], tmp_path) as (process, base):
+        assert "data: [DONE]" in chat(base)
+        assert stop(process, signal.SIGINT) == 0
+    log = (tmp_path / "serve.log").read_text()
+    assert "no upstream configured: serving the built-in DEMO upstream at http://127.0.0.1:" in log
+    assert "not a real model" in log
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://api.example.com/v1", "https://api.example.com/v1"),
+        ("https://user:pa55@api.example.com:8443/v1", "https://user:***@api.example.com:8443/v1"),
+        ("http://user@10.0.0.5:8000", "http://user@10.0.0.5:8000"),
+    ],
+)
+def test_passwords_in_upstream_urls_are_not_printed(
+    url: str, shown: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(f"{ENV_PREFIX}UPSTREAM_URL", url)
+    assert main(["settings"]) == 0
+    out = capsys.readouterr().out
+    assert f"{ENV_PREFIX}UPSTREAM_URL" in out and shown in out and "pa55" not in out
