@@ -4,12 +4,15 @@ Without ``UPSTREAM_API_KEY`` the gateway holds no credential: the client's ``Aut
 passes through to the upstream and the upstream decides. With it, the gateway injects that
 key upstream, so it must keep strangers out: clients present one of ``GATEWAY_KEYS``
 (``Authorization: Bearer <key>`` or ``x-api-key: <key>``), compared in constant time, and
-their own credential headers are replaced before anything is read or forwarded.
+their own credential headers are replaced before anything is read or forwarded. With an
+upstream key and no gateway keys (a local development proxy), only loopback clients are
+served; the CLI also refuses to bind such a gateway to a non-loopback address.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Collection
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -17,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ._exceptions import AuthenticationError
 from ._middleware import route_path, send_error
 
-__all__ = ["GatewayAuth"]
+__all__ = ["GatewayAuth", "is_loopback"]
 
 _CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")
 
@@ -39,8 +42,6 @@ class GatewayAuth:
         upstream_api_key: str | None,
         open_paths: Collection[str] = ("/healthz", "/metrics"),
     ) -> None:
-        if upstream_api_key and not gateway_keys:
-            raise ValueError("ASGI_LIFETIME_UPSTREAM_API_KEY is set but ASGI_LIFETIME_GATEWAY_KEYS is empty")
         self.app = app
         self._keys = [key.encode() for key in gateway_keys]
         self._inject = f"Bearer {upstream_api_key}".encode() if upstream_api_key else None
@@ -51,9 +52,15 @@ class GatewayAuth:
             await self.app(scope, receive, send)
             return
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        if not self._accepts(_presented(headers)):
-            exc = AuthenticationError("a valid gateway key is required (Authorization: Bearer <key>)")
-            await send_error(send, exc, extra_headers=[(b"www-authenticate", b"Bearer")])
+        if self._keys:
+            allowed = self._accepts(_presented(headers))
+            problem = "a valid gateway key is required (Authorization: Bearer <key>)"
+        else:
+            client = scope.get("client")
+            allowed = client is not None and is_loopback(str(client[0]))
+            problem = "this gateway injects its upstream key and has no gateway keys: loopback clients only"
+        if not allowed:
+            await send_error(send, AuthenticationError(problem), extra_headers=[(b"www-authenticate", b"Bearer")])
             return
         scope = dict(scope)
         scope["headers"] = [(k, v) for k, v in headers if k not in _CREDENTIAL_HEADERS]
@@ -69,6 +76,16 @@ class GatewayAuth:
         for key in self._keys:
             matched |= hmac.compare_digest(presented, key)
         return matched
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _presented(headers: list[tuple[bytes, bytes]]) -> bytes | None:

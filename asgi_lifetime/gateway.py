@@ -71,10 +71,7 @@ def create_app(
     if settings is None:
         settings = LifetimeSettings.from_environ()
     if settings.upstream_api_key and not settings.gateway_keys:
-        raise ValueError(
-            "ASGI_LIFETIME_UPSTREAM_API_KEY is set but ASGI_LIFETIME_GATEWAY_KEYS is empty: "
-            "clients would use the upstream key without presenting a key of their own"
-        )
+        logger.warning("an upstream key is set and no gateway keys: only loopback clients will be served")
     lifetime = Lifetime(settings)
     book = SessionBook(max_sessions=settings.bookkeeping_sessions, counters=lifetime.counters)
     listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]

@@ -81,10 +81,20 @@ async def test_open_paths_need_no_key() -> None:
     assert all(b"authorization" not in dict(s["headers"]) for s in seen)
 
 
-def test_upstream_key_without_gateway_keys_is_refused() -> None:
-    with pytest.raises(ValueError, match="GATEWAY_KEYS") as excinfo:
-        GatewayAuth(echo_headers([]), gateway_keys=(), upstream_api_key=UPSTREAM_KEY)
-    assert UPSTREAM_KEY not in str(excinfo.value)
+@pytest.mark.anyio
+@pytest.mark.parametrize(("client_host", "status"), [("127.0.0.1", 200), ("::1", 200), ("10.1.2.3", 401)])
+async def test_upstream_key_without_gateway_keys_serves_loopback_clients_only(client_host: str, status: int) -> None:
+    seen: list[Scope] = []
+    app = GatewayAuth(echo_headers(seen), gateway_keys=(), upstream_api_key=UPSTREAM_KEY)
+    transport = httpx.ASGITransport(app=app, client=(client_host, 1234))
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
+        response = await c.post("/v1/x", headers={"authorization": "Bearer anything"})
+    assert response.status_code == status
+    assert UPSTREAM_KEY not in response.text
+    if status == 200:
+        assert dict(seen[0]["headers"])[b"authorization"] == f"Bearer {UPSTREAM_KEY}".encode()
+    else:
+        assert seen == [] and "loopback" in response.json()["error"]["message"]
 
 
 def test_every_key_is_compared_even_after_a_match(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -107,10 +107,22 @@ async def test_gateway_keys_guard_the_injected_upstream_key() -> None:
     assert app.state.lifetime.stats().admitted == 1  # refused before admission
 
 
-def test_upstream_key_without_gateway_keys_is_refused_at_construction() -> None:
-    with pytest.raises(ValueError, match="GATEWAY_KEYS") as excinfo:
-        create_app(settings(upstream_api_key="sk-up-SECRET"))
-    assert "sk-up-SECRET" not in str(excinfo.value)
+@pytest.mark.anyio
+async def test_upstream_key_without_gateway_keys_serves_loopback_only() -> None:
+    seen: list[httpx.Request] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return completion(request)
+
+    app = create_app(settings(upstream_api_key="sk-up-SECRET"), transport=httpx.MockTransport(upstream))
+    remote = httpx.ASGITransport(app=app, client=("192.0.2.7", 5555))
+    async with httpx.AsyncClient(transport=remote, base_url="http://testserver") as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 401
+    local = httpx.ASGITransport(app=app, client=("127.0.0.1", 5555))
+    async with httpx.AsyncClient(transport=local, base_url="http://testserver") as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    assert [r.headers["authorization"] for r in seen] == ["Bearer sk-up-SECRET"]
 
 
 @pytest.mark.anyio
