@@ -157,6 +157,7 @@ class _Upstream:
             reply = self._plan(body, spec)
         except ValueError as exc:
             reply = self._fixed(400, _error(str(exc), "invalid_request_error"), {})
+        del body  # the reply is planned: do not hold the request while streaming the answer
         await self._respond(reply, receive, send)
 
     def _plan(self, body: bytes, spec: dict[str, str]) -> _Reply:
