@@ -397,6 +397,30 @@ def test_serve_end_to_end_and_sigterm_exits_0(tmp_path: Path) -> None:
     assert "DEMO" not in (tmp_path / "serve.log").read_text()
 
 
+def test_sigterm_lets_a_stream_finish_its_grace_then_ends_it_in_band(tmp_path: Path) -> None:
+    # A stream of about 20 s; SHUTDOWN_GRACE is 1 s: the stream keeps flowing for the grace,
+    # then ends with an in-band shutting_down error, and the process exits 0 with nothing left.
+    with serve_in_thread(create_demo_upstream(tokens_per_second=20)) as upstream:
+        with serving(["--upstream", upstream, "--shutdown-grace", "1"], tmp_path) as (process, base):
+            body = {"model": "demo", "stream": True, "max_tokens": 400, "messages": [{"role": "user", "content": "x"}]}
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=10) as response:
+                chunks = response.iter_text()
+                assert '"content"' in next(chunks)
+                process.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                during_grace = []
+                rest = []
+                for chunk in chunks:
+                    (during_grace if time.monotonic() - signalled < 0.8 else rest).append(chunk)
+                ended_after = time.monotonic() - signalled
+            assert any('"content"' in chunk for chunk in during_grace)  # still streaming in the grace
+            tail = "".join(rest)
+            assert "event: error" in tail and "shutting_down" in tail
+            assert 0.9 < ended_after < 5
+            assert process.wait(timeout=15) == 0
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
 def test_serve_with_several_workers(tmp_path: Path) -> None:
     with serve_in_thread(create_demo_upstream(tokens_per_second=1000)) as upstream:
         with serving(["--upstream", upstream, "--workers", "2"], tmp_path) as (process, base):
