@@ -24,6 +24,8 @@ Messages never contain request bodies or keys.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "AdmissionRejected",
@@ -65,6 +67,17 @@ class LifetimeError(Exception):
 
     def json_body(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    def asgi_response(self, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> tuple[dict[str, Any], bytes]:
+        """The ``http.response.start`` message and the body of this error as a JSON response."""
+        body = self.json_body()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()),
+            *extra_headers,
+        ]
+        return {"type": "http.response.start", "status": self.status_code, "headers": headers}, body
 
 
 class RequestError(LifetimeError):

@@ -274,12 +274,6 @@ def route_path(scope: Scope) -> str:
 
 async def send_error(send: Send, exc: LifetimeError, *, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Send ``exc`` as a complete OpenAI-style JSON error response."""
-    body = exc.json_body()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *((k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()),
-        *extra_headers,
-    ]
-    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+    start, body = exc.asgi_response(extra_headers)
+    await send(start)
     await send({"type": "http.response.body", "body": body, "more_body": False})
