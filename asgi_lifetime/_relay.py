@@ -439,13 +439,7 @@ class _Relay:
         """End the client response because of ``exc``: a JSON error if nothing was sent yet."""
         async with self.lock:
             if not self.started:
-                body = exc.json_body()
-                headers = [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    *((name.lower().encode(), value.encode()) for name, value in exc.headers.items()),
-                ]
-                self.start = {"type": "http.response.start", "status": exc.status_code, "headers": headers}
+                self.start, body = exc.asgi_response()
                 self.held.clear()
                 await self._send_body(body, more_body=False)
             elif self.inband:
