@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from ._bookkeeping import Bookkeeper, Outcome, SessionBook, record_outcome
 from ._exceptions import LifetimeError, MalformedBody
+from ._memory import trim_after_large_request
 from ._middleware import Lifetime, RequestLifetime, send_error
 from ._prepare import Prepared, Preparer, prepare
 from ._refold import Conversation, Refold, default_refold
@@ -37,21 +38,26 @@ _NOT_FORWARDED = frozenset({"host", "content-length", "content-encoding", "trans
 
 
 class _Input:
-    """The request's input between read and settle: the only holder of the raw body and parse."""
+    """The request's input between read and settle: holds the parse and accounts for the raw body.
 
-    __slots__ = ("raw", "parsed", "held")
+    The raw body itself goes to ``prepare()``, which forwards it (``Prepared`` holds it) or,
+    when a preparer changed the body, drops it before serializing the new one.
+    """
 
-    def __init__(self, raw: bytes, parsed: Any, held: Resource) -> None:
-        self.raw: bytes | None = raw
+    __slots__ = ("parsed", "held", "size")
+
+    def __init__(self, parsed: Any, held: Resource, size: int) -> None:
         self.parsed: Any = parsed
         self.held: Resource | None = held
+        self.size = size
 
     def release(self) -> None:
         """The settle point: nothing of the input stays reachable from here."""
-        self.raw = self.parsed = None
+        self.parsed = None
         held, self.held = self.held, None
         if held is not None:
             held.release_now()
+            trim_after_large_request(self.size)  # give the freed parse back to the OS (glibc)
 
 
 class Forwarder:
@@ -99,10 +105,13 @@ class Forwarder:
                 status, outcome = 499, "client_disconnected"
                 return
             resources.add(response.aclose)  # closed when the request settles, whatever happens below
+            if response.status_code >= 400:
+                response = await self.upstream.capped(response)
             attempts = int(response.extensions.get("asgi_lifetime.attempts", 1))
             upstream_url = response.extensions.get("asgi_lifetime.upstream")
-            if prepared.body is not None:
-                resources.retain(len(prepared.body))  # the retained outbound body, for one re-issue
+            retained = len(prepared.body) if prepared.body is not None else 0
+            if retained:
+                resources.retain(retained)  # the retained outbound body, for one re-issue
 
             async def reissue() -> httpx.Response | None:
                 return await self.upstream.reissue(prepared, session_id=session_id)
@@ -118,6 +127,8 @@ class Forwarder:
                 stop=self.stop,
             )
             prepared.release_body()
+            # Below 32 MiB glibc may have put the body on the heap (its mmap threshold grows): give it back too.
+            trim_after_large_request(retained)
             status, outcome, bytes_out, first_byte_at = (
                 result.status,
                 result.outcome,
@@ -170,6 +181,9 @@ class Forwarder:
 
     async def _prepare(self, scope: Scope, receive: Receive, state: RequestLifetime) -> tuple[Prepared, _Input]:
         # This frame returns before forwarding starts, so its locals never outlive preparation.
+        if {".", ".."} & set(scope["path"].split("/")):
+            # httpx would resolve them and the request would leave the forwarded prefix.
+            raise MalformedBody("the request path has '.' or '..' segments", code="invalid_path")
         message = await receive()  # the middleware's replay: the whole body, once
         raw: bytes = message.get("body", b"")
         del message
@@ -179,7 +193,11 @@ class Forwarder:
             if raw and _is_json(scope):
                 raise MalformedBody("request body is not valid JSON", code="invalid_json") from None
             parsed = None
-        held = _Input(raw, parsed, state.resources.retain(len(raw)))
+        # prepare() gets the only reference to the raw body: when a preparer changed the body, the
+        # received one is freed before the new one is serialized (the two never coexist).
+        held = _Input(parsed, state.resources.retain(len(raw)), len(raw))
+        handover = [raw]
+        del raw
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in filter_headers(scope["headers"])
@@ -187,7 +205,7 @@ class Forwarder:
         ]
         path = _upstream_path(scope)
         prepared = await prepare(
-            raw,
+            handover.pop(),
             parsed,
             preparers=self.preparers if parsed is not None else (),
             fingerprint=state.fingerprint,

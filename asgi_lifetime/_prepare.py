@@ -159,8 +159,10 @@ async def prepare(
 
     ``raw`` is the body as received, ``parsed`` its first parse (taken before any change).
     If no preparer changed the body, ``Prepared.body`` is ``raw`` itself; otherwise the
-    body is serialized once. ``refold`` and ``remap_role`` are set for chat-shaped bodies
-    (a ``messages``, ``input`` or ``contents`` list) and capture the final parsed body.
+    body is serialized once, after this function dropped its reference to ``raw`` (pass the
+    only one, and the received body is freed before the new one is built). ``refold`` and
+    ``remap_role`` are set for chat-shaped bodies (a ``messages``, ``input`` or ``contents``
+    list) and capture the final parsed body.
     """
     draft = Draft(parsed, fingerprint=fingerprint, session_id=session_id, path=path, scope=scope)
     del parsed  # the draft is its one holder here: a replaced body can be freed while preparers run
@@ -174,7 +176,13 @@ async def prepare(
         raise
     changed, extra = draft.changed, dict(draft.headers)
     graph = draft._close()
-    body = _json.dumps(graph) if changed else raw
+    if changed:
+        # The received body is not sent: let it go before the new one is built, so the two never
+        # coexist (the gateway hands over its only reference to it).
+        del raw
+        body = _json.dumps(graph)
+    else:
+        body = raw
     conversation = Conversation.of(graph)
     return Prepared(
         method=method,
