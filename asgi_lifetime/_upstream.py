@@ -73,22 +73,36 @@ class _Failure:
         return UpstreamUnreachable(f"upstream unreachable ({self.reason}) after {tries}")
 
 
+# The body goes out in slices: handed one large bytes object, asyncio's socket transport
+# (Python < 3.12) copies the unsent rest of it into its buffer, twice for a moment (a slice,
+# then a bytearray): +2x the body at peak. Slices keep that copy at one slice.
+_SEND_SLICE = 1024 * 1024
+
+
 class _BodyIterator:
-    __slots__ = ("_holder", "_done")
+    __slots__ = ("_holder", "_body", "_offset")
 
     def __init__(self, holder: Prepared) -> None:
         self._holder = holder
-        self._done = False
+        self._body: bytes | None = None
+        self._offset = 0
 
     def __aiter__(self) -> _BodyIterator:
         return self
 
     async def __anext__(self) -> bytes:
-        body = None if self._done else self._holder.body
-        self._done = True
-        if not body:
+        if self._offset == 0:
+            self._body = self._holder.body  # this attempt's body, as its Content-Length was computed
+        body = self._body
+        if not body or self._offset >= len(body):
+            self._body = None
             raise StopAsyncIteration
-        return body
+        if self._offset == 0 and len(body) <= _SEND_SLICE:
+            self._offset = len(body)
+            return body  # small bodies: no copy
+        piece = body[self._offset : self._offset + _SEND_SLICE]
+        self._offset += len(piece)
+        return piece
 
 
 class _BodyStream(httpx.AsyncByteStream):
@@ -211,6 +225,11 @@ class UpstreamClient:
                 max_connections=settings.max_inflight, max_keepalive_connections=settings.max_inflight
             )
             client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+            # httpx's defaults would go out as if the client had sent them: an Accept-Encoding it never
+            # asked for (the upstream then compresses, and an encoded stream escapes the relay's
+            # guards), and an Accept and User-Agent naming httpx. The client's own are forwarded.
+            for name in ("accept", "accept-encoding", "user-agent"):
+                del client.headers[name]
         self._client = client
         self._counters = counters if counters is not None else Counters()
         self._listener = listener
@@ -392,7 +411,10 @@ class UpstreamClient:
         headers = [("Host", url.netloc.decode("ascii")), *defaults, *outbound]
         if prepared.body is not None:
             headers.append(("Content-Length", str(len(prepared.body))))
-        return httpx.Request(prepared.method, url, headers=headers, stream=_BodyStream(prepared))
+        # Values are the latin-1 text of the client's bytes (obs-text included): send those bytes.
+        # Given str, httpx encodes ASCII and fails on any byte over 0x7F.
+        encoded = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        return httpx.Request(prepared.method, url, headers=encoded, stream=_BodyStream(prepared))
 
     def _backoff(self, retries: int, retry_after: str | None) -> float:
         """Full jitter over an exponential ceiling, or the upstream's ``Retry-After`` if longer (capped)."""
@@ -459,6 +481,11 @@ class UpstreamClient:
         logger.info("upstream attempt %d failed (%s); retrying in %.2fs", attempt, reason, delay)
         self._emit(AttemptEvent("retry", attempt, status, reason, delay))
         await self._sleep(delay)
+
+    async def capped(self, response: httpx.Response) -> httpx.Response:
+        """An error response as the client gets it: at most ``ERROR_BODY_LIMIT`` bytes of its body,
+        read now (the upstream's error page is not streamed through unbounded). Closes ``response``."""
+        return _replay(response, await self._read_error(response))
 
     def _emit(self, event: AttemptEvent) -> None:
         if self._listener is None:
