@@ -96,7 +96,7 @@ class Forwarder:
         status, outcome, bytes_out, first_byte_at = 0, "error", 0, None
         attempts, upstream_url = 0, None
         try:
-            prepared, held = await self._prepare(scope, receive, state)
+            prepared, held = await self._prepare(scope, receive, state, session_id)
             try:
                 response = await self._forward(prepared, held, receive, session_id)
             finally:
@@ -179,7 +179,9 @@ class Forwarder:
             raise error
         return response
 
-    async def _prepare(self, scope: Scope, receive: Receive, state: RequestLifetime) -> tuple[Prepared, _Input]:
+    async def _prepare(
+        self, scope: Scope, receive: Receive, state: RequestLifetime, session_id: str | None
+    ) -> tuple[Prepared, _Input]:
         # This frame returns before forwarding starts, so its locals never outlive preparation.
         if {".", ".."} & set(scope["path"].split("/")):
             # httpx would resolve them and the request would leave the forwarded prefix.
@@ -209,7 +211,7 @@ class Forwarder:
             parsed,
             preparers=self.preparers if parsed is not None else (),
             fingerprint=state.fingerprint,
-            session_id=self._session_id(scope),
+            session_id=session_id,
             method=scope["method"],
             path=path,
             headers=headers,
