@@ -4,6 +4,7 @@ that leaves while retries are still running."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -82,7 +83,8 @@ async def test_metrics_endpoint_counts_requests_and_attempts() -> None:
 
 
 @pytest.mark.anyio
-async def test_gateway_keys_guard_the_injected_upstream_key() -> None:
+async def test_gateway_keys_guard_the_injected_upstream_key(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     seen: list[httpx.Request] = []
 
     def upstream(request: httpx.Request) -> httpx.Response:
@@ -104,6 +106,8 @@ async def test_gateway_keys_guard_the_injected_upstream_key() -> None:
     assert seen[0].headers["authorization"] == "Bearer sk-up-SECRET"
     for response in (refused, missing, accepted):
         assert "sk-up-SECRET" not in response.text
+    assert caplog.records  # the access log and friends did log these requests...
+    assert "sk-up-SECRET" not in caplog.text and "client-1" not in caplog.text  # ...but never a key
     assert app.state.lifetime.stats().admitted == 1  # refused before admission
 
 
