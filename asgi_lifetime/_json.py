@@ -20,17 +20,24 @@ would write ``null``; a walk over the containers finds one, about a sixth of the
 serializing). Floats are written in their shortest round-trip form, which msgspec spells
 differently at the extremes (``1e-05`` -> ``0.00001``, ``1e+16`` -> ``1e16``): the same
 number either way.
+
+``dumps_consuming`` writes the same bytes as ``dumps`` for a document with a conversation
+list (``messages`` and the like) and drops each item of the list as soon as it is written,
+so a changed body's parse shrinks while the new body grows instead of both being held
+whole (the UTF-8 copies the encoder caches in non-ASCII strings go with their items).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-__all__ = ["JSONDecodeFailure", "dumps", "loads"]
+__all__ = ["JSONDecodeFailure", "dumps", "dumps_consuming", "loads"]
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -99,3 +106,81 @@ def dumps(value: Any) -> bytes:
         except TypeError:
             pass
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _holds(value: Any, target: object) -> bool:
+    """Whether ``target`` (by identity) is ``value`` or inside it."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if node is target:
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+    return False
+
+
+def _field(name: Any, value: Any) -> bytes:
+    """``"name":value`` as ``dumps`` writes it inside an object."""
+    if type(name) is str:
+        return _encoder.encode(name) + b":" + _encoder.encode(value)
+    return _encoder.encode({name: value})[1:-1]  # msgspec's own spelling of a non-str key
+
+
+def dumps_consuming(
+    doc: dict[str, Any], key: str, *, every: int = 0, progress: Callable[[], object] | None = None
+) -> bytes:
+    """``dumps(doc)``, byte for byte, emptying the list ``doc[key]`` as its items are written.
+
+    Each item is serialized on its own and its slot set to ``None`` before the bytes are
+    appended to an ``io.BytesIO`` (whose ``getvalue()`` hands over its buffer without a
+    copy), so the items nobody else holds are freed one by one; the list is left empty.
+    The other values of ``doc`` are written around it and left in place. ``progress``, if
+    given, is called each time another ``every`` bytes were written (e.g. to give freed
+    heap pages back to the OS). Whatever ``dumps`` would write through the standard
+    library (non-finite floats, values msgspec refuses) or refuse is left to ``dumps``
+    itself, with the list as it was (the items already written are read back).
+    """
+    items = doc.get(key)
+    if (
+        type(items) is not list
+        or any(name != key and _holds(value, items) for name, value in doc.items())
+        or _has_non_finite(doc)
+    ):
+        return dumps(doc)  # not a plain list, or shared with another value: nothing to consume
+    out = io.BytesIO()
+    write = out.write
+    start = end = done = 0
+    mark = every if progress is not None and every > 0 else -1
+    try:
+        write(b"{")
+        for n, (name, value) in enumerate(doc.items()):
+            if n:
+                write(b",")
+            if value is not items or name != key:
+                write(_field(name, value))
+                continue
+            write(_encoder.encode(name) + b":[")
+            start = end = out.tell()
+            for i in range(len(items)):
+                piece = _encoder.encode(items[i])
+                items[i] = None  # before the copy into the buffer: the item and its piece never coexist with it
+                if i:
+                    write(b",")
+                write(piece)
+                del piece
+                done, end = i + 1, out.tell()
+                if progress is not None and 0 <= mark <= end:
+                    mark = end + every
+                    progress()
+            write(b"]")
+        write(b"}")
+    except (TypeError, ValueError, OverflowError):  # what dumps falls back for, or raises too
+        if done:  # put back what was written: dumps serializes (or refuses) the whole document
+            items[:done] = _decoder.decode(b"[" + out.getbuffer()[start:end].tobytes() + b"]")
+        del out
+        return dumps(doc)
+    items.clear()
+    return out.getvalue()

@@ -1,10 +1,15 @@
 """Stage prepare: preparers shape the outbound request, after the body was fingerprinted.
 
 ``prepare`` hands each preparer a ``Draft`` (the parsed body, extra headers), then builds
-the ``Prepared`` holder that the forward stage sends from. The parsed graph survives
-``prepare`` only inside the refold / role-remap closures, and ``Prepared.settle`` drops
-those once upstream retries are over, so no request input outlives the retries except,
-optionally, the outbound body::
+the ``Prepared`` holder that the forward stage sends from. The parsed graph does not
+survive ``prepare``: a changed body is serialized while its conversation list is emptied
+item by item (``_json.dumps_consuming``), and the default refold / role-remap closures
+re-parse the outbound body (``Prepared.body``) on the rare rejection that needs them,
+keeping nothing between calls. ``Prepared.settle`` drops the closures once upstream
+retries are over, so no request input outlives the retries except, optionally, the
+outbound body. (A custom ``refold_factory`` or ``remap_factory`` is handed a
+``Conversation`` of the parse, as before: then the closures keep the parse alive until
+retries settle, and a changed body is serialized without emptying it.)::
 
     fp = fingerprint(raw, parsed=parsed)
     prepared = await prepare(raw, parsed, preparers=[route_model], fingerprint=fp, session_id=sid,
@@ -15,22 +20,30 @@ optionally, the outbound body::
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from . import _json
 from ._fingerprint import Fingerprint
+from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
 from ._scope import RequestScope
 
 __all__ = ["Draft", "Prepared", "Preparer", "prepare"]
+
+_TRIM_EVERY: Final = TRIM_THRESHOLD
+"""While a large changed body is serialized, give the freed parse back to the OS this often (bytes written)."""
 
 
 class Draft:
     """What a preparer sees of a request and may change.
 
     Assigning ``draft.body`` marks the body changed; after changing it in place, call
-    ``mark_changed()``. An unchanged body is forwarded byte for byte as received.
+    ``mark_changed()``. An unchanged body is forwarded byte for byte as received. The body
+    belongs to the request: when it changed, its conversation list (``messages``,
+    ``input`` or ``contents``) is emptied while it is serialized, so a preparer that wants
+    to keep that list after it returns keeps a copy.
 
     ```python
     def route_model(draft: Draft) -> None:
@@ -90,11 +103,12 @@ Preparer = Callable[[Draft], Awaitable[None] | None]
 class Prepared:
     """A request's outbound state: the holder the forward stage reads from, cleared at release points.
 
-    ``refold`` and ``remap_role`` are the only holders of the parsed body once ``prepare``
-    returned; ``settle()`` drops them (and, unless the outbound body is retained, the body).
+    ``refold`` and ``remap_role`` build a new body from the current one on a rejection (the
+    default ones re-parse ``body``; custom factories' closures may hold the parse);
+    ``settle()`` drops them (and, unless the outbound body is retained, the body).
     """
 
-    __slots__ = ("method", "path", "headers", "body", "refold", "remap_role", "_settled")
+    __slots__ = ("method", "path", "headers", "body", "refold", "remap_role", "_settled", "__weakref__")
 
     def __init__(
         self,
@@ -160,9 +174,12 @@ async def prepare(
     ``raw`` is the body as received, ``parsed`` its first parse (taken before any change).
     If no preparer changed the body, ``Prepared.body`` is ``raw`` itself; otherwise the
     body is serialized once, after this function dropped its reference to ``raw`` (pass the
-    only one, and the received body is freed before the new one is built). ``refold`` and
-    ``remap_role`` are set for chat-shaped bodies (a ``messages``, ``input`` or ``contents``
-    list) and capture the final parsed body.
+    only one, and the received body is freed before the new one is built), emptying the
+    conversation list as it goes. ``refold`` and ``remap_role`` are set for chat-shaped
+    bodies (a ``messages``, ``input`` or ``contents`` list); the default ones re-parse
+    ``Prepared.body`` when called and hold no parse. Custom factories are given a
+    ``Conversation`` of the final parse instead, which their closures then keep alive
+    until ``Prepared.settle()``.
     """
     draft = Draft(parsed, fingerprint=fingerprint, session_id=session_id, path=path, scope=scope)
     del parsed  # the draft is its one holder here: a replaced body can be freed while preparers run
@@ -176,19 +193,67 @@ async def prepare(
         raise
     changed, extra = draft.changed, dict(draft.headers)
     graph = draft._close()
+    conversation = Conversation.of(graph)
+    if conversation is not None and (refold_factory is not default_refold or remap_factory is not default_remap_role):
+        # A custom factory gets the parse (and keeps it until retries settle): serialize it intact.
+        if changed:
+            del raw
+            body = _json.dumps(graph)
+        else:
+            body = raw
+        return Prepared(
+            method=method,
+            path=path,
+            headers=_merge_headers(headers, extra),
+            body=body,
+            refold=refold_factory(conversation),
+            remap_role=remap_factory(conversation),
+        )
+    key = conversation.key if conversation is not None else None
+    del conversation
     if changed:
         # The received body is not sent: let it go before the new one is built, so the two never
         # coexist (the gateway hands over its only reference to it).
+        size = len(raw)
         del raw
-        body = _json.dumps(graph)
+        if key is None:
+            body = _json.dumps(graph)
+        else:
+            # The conversation is dropped item by item as it is written: the parse shrinks as the body grows.
+            body = _json.dumps_consuming(
+                graph, key, every=_TRIM_EVERY if size >= TRIM_THRESHOLD else 0, progress=_trim_freed
+            )
     else:
         body = raw
-    conversation = Conversation.of(graph)
-    return Prepared(
-        method=method,
-        path=path,
-        headers=_merge_headers(headers, extra),
-        body=body,
-        refold=refold_factory(conversation) if conversation is not None else None,
-        remap_role=remap_factory(conversation) if conversation is not None else None,
-    )
+    del graph  # nothing below needs the parse: the closures re-parse the outbound body
+    prepared = Prepared(method=method, path=path, headers=_merge_headers(headers, extra), body=body)
+    if key is not None:
+        prepared.refold, prepared.remap_role = _from_outbound(prepared)
+    return prepared
+
+
+def _trim_freed() -> None:
+    trim_after_large_request(TRIM_THRESHOLD)
+
+
+def _from_outbound(prepared: Prepared) -> tuple[Refold, RemapRole]:
+    """``default_refold`` / ``default_remap_role`` over ``prepared.body`` as it is when they are called.
+
+    Each call parses the current outbound body (after a refold or a rename, the upstream
+    made the new body current, so the next call continues from it) and keeps nothing of the
+    parse. The holder is referenced weakly: it owns these closures, no cycle keeps its body.
+    """
+    holder = weakref.ref(prepared)
+
+    def current() -> Any:
+        owner = holder()
+        body = owner.body if owner is not None else None
+        return None if body is None else _json.loads(body)
+
+    def refold(window: int | None) -> bytes | None:
+        return default_refold(current())(window)
+
+    def remap_role(a: str, b: str) -> bytes | None:
+        return default_remap_role(current())(a, b)
+
+    return refold, remap_role

@@ -162,7 +162,9 @@ class Conversation:
     """The current outbound graph of a request, shared by its refold and remap closures.
 
     Holding the graph here (and nowhere else) is what lets ``Prepared.settle`` release it:
-    dropping the closures drops the conversation, and with it the parsed input.
+    dropping the closures drops the conversation, and with it the parsed input. (With the
+    default factories, ``prepare`` keeps no conversation at all: its closures build one from
+    a fresh parse of the outbound body on each call and drop it on return.)
     """
 
     __slots__ = ("doc", "key")

@@ -120,3 +120,71 @@ def test_dumps_refuses_what_cannot_be_encoded() -> None:
         _json.dumps({"k": object()})
     with pytest.raises(UnicodeEncodeError):
         _json.dumps("\ud800")
+
+
+class _Name(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("doc", "consumed"),
+    [
+        (
+            {"model": "m", "messages": [{"role": "user", "content": 'é ’ — λ \n " \\ \x00'}, {"x": 1e-5, "n": 2**70}]},
+            True,
+        ),
+        ({"stream": True, "input": [], "max_tokens": 5}, True),
+        ({1: "int key", "contents": [{"parts": [{"text": "hi"}]}, [1.5, -0.0]], "after": None}, True),
+        # What msgspec refuses or writes differently: dumps writes it, the list is left whole.
+        ({"messages": [{"a": 1e16}, {"b": 2.5e-7}, {True: "bool key"}], "x": 1e-5}, False),  # refused: item 3
+        ({"messages": [{"a": 1}, {"b": 2}], "x": {None: "null key"}}, False),  # refused: after the list
+        ({"messages": [{"a": 1}, {"b": math.nan}]}, False),  # non-finite
+        ({"messages": [{"k": _Name("v")}, "plain"]}, False),  # a str subclass value
+    ],
+)
+def test_dumps_consuming_writes_what_dumps_writes(doc: Any, consumed: bool) -> None:
+    key = next(k for k in ("messages", "input", "contents") if k in doc)
+    expected = _json.dumps(doc)
+    items = list(doc[key])
+    keys = list(doc)
+    written = _json.dumps_consuming(doc, key)
+    assert written == expected
+    assert list(doc) == keys
+    if consumed:
+        assert doc[key] == []  # every item was dropped as it was written
+    else:
+        assert _same(doc[key], items)
+
+
+def test_dumps_consuming_drops_each_item_as_it_is_written() -> None:
+    class Item(dict[str, Any]):
+        pass
+
+    import weakref
+
+    items = [Item(role="user", content=f"turn {n} " + "x" * 1000) for n in range(20)]
+    refs = [weakref.ref(item) for item in items]
+    doc = {"model": "m", "messages": items, "max_tokens": 5}
+    expected = _json.dumps(doc)
+    del items
+    alive: list[int] = []
+    written = _json.dumps_consuming(
+        doc, "messages", every=4000, progress=lambda: alive.append(sum(r() is not None for r in refs))
+    )
+    assert written == expected
+    assert doc == {"model": "m", "messages": [], "max_tokens": 5}
+    assert all(r() is None for r in refs)
+    assert alive and alive == sorted(alive, reverse=True) and alive[0] < 20 and alive[-1] < 5  # freed while writing
+
+
+def test_dumps_consuming_leaves_the_list_when_it_fails_or_is_shared() -> None:
+    doc: dict[str, Any] = {"messages": [{"a": 1}, {"b": object()}]}
+    with pytest.raises(TypeError):
+        _json.dumps_consuming(doc, "messages")
+    assert doc["messages"][0] == {"a": 1} and len(doc["messages"]) == 2  # the written item was put back
+    with pytest.raises(UnicodeEncodeError):
+        _json.dumps_consuming({"messages": [{"a": 1}, "\ud800"]}, "messages")
+    shared = [{"a": 1}]
+    doc = {"messages": shared, "copy": {"of": shared}}
+    assert _json.dumps_consuming(doc, "messages") == b'{"messages":[{"a":1}],"copy":{"of":[{"a":1}]}}'
+    assert shared == [{"a": 1}]

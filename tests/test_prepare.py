@@ -10,6 +10,7 @@ import pytest
 from asgi_lifetime import _json
 from asgi_lifetime._fingerprint import fingerprint
 from asgi_lifetime._prepare import Draft, Prepared, Preparer, prepare
+from asgi_lifetime._refold import Conversation, Refold
 from asgi_lifetime._scope import RequestScope
 from asgi_lifetime._stats import Counters
 
@@ -141,27 +142,98 @@ async def test_not_a_conversation_has_no_refold_or_remap() -> None:
     assert prepared.refold is None and prepared.remap_role is None
 
 
-async def test_the_closures_are_the_only_holders_of_the_parsed_graph() -> None:
+async def test_no_parse_outlives_prepare_and_the_closures_work_from_the_outbound_body() -> None:
     message = Message(role="user", content="hi")
     parsed = {"model": "m", "messages": [Message(role="system", content="s"), message]}
     first_graph = weakref.ref(message)
     replaced: list[weakref.ref[Message]] = []
 
     def rewrite(draft: Draft) -> None:
-        new = Message(role="user", content="rewritten")
+        new = Message(role="user", content="rewritten " + "x" * 100)
         replaced.append(weakref.ref(new))
-        draft.body = {"model": "m", "messages": [new]}
+        draft.body = {
+            "model": "m",
+            "messages": [Message(role="developer", content="d"), new, Message(role="user", content="q")],
+        }
 
     prepared = await run([rewrite], parsed=parsed)
     del parsed, message
     assert first_graph() is None  # replaced by the preparer and held by nobody
-    assert replaced[0]() is not None  # the refold closure needs the final graph
-    assert prepared.refold is not None
+    assert replaced[0]() is None  # serialized and dropped: the closures do not need the graph
+    assert prepared.body is not None
+    assert json.loads(prepared.body)["messages"][1]["content"].startswith("rewritten")
+    assert prepared.refold is not None and prepared.remap_role is not None
+    # The closures re-parse the current outbound body and keep nothing: no cell holds a parse.
+    for closure in (prepared.refold, prepared.remap_role):
+        assert closure.__closure__ is not None
+        assert all(not isinstance(cell.cell_contents, dict | list) for cell in closure.__closure__)
+    renamed = prepared.remap_role("developer", "system")
+    assert renamed is not None and json.loads(renamed)["messages"][0]["role"] == "system"
+    assert prepared.remap_role("tool", "user") is None
+    prepared.body = renamed  # what the upstream does with an accepted new body
+    refolded = prepared.refold(None)
+    assert refolded is not None
+    assert json.loads(refolded)["messages"] == [
+        {"role": "system", "content": "d"},  # a refold continues from the renamed body
+        {"role": "user", "content": "q"},
+    ]
     refold = weakref.ref(prepared.refold)
     prepared.settle(retain_outbound=True)
     assert refold() is None
-    assert replaced[0]() is None
     assert prepared.body is not None
+
+
+async def test_unchanged_body_closures_do_not_keep_the_parse() -> None:
+    message = Message(role="user", content="hi")
+    parsed = {"model": "m", "messages": [Message(role="system", content="s"), message]}
+    graph = weakref.ref(message)
+    raw = _json.dumps(parsed)
+    prepared = await run([], raw=raw, parsed=parsed)
+    del parsed, message
+    assert prepared.body is raw
+    assert graph() is None
+    assert prepared.remap_role is not None
+    renamed = prepared.remap_role("system", "developer")
+    assert renamed is not None and json.loads(renamed)["messages"][0] == {"role": "developer", "content": "s"}
+
+
+async def test_a_custom_refold_factory_gets_the_final_parse_until_settle() -> None:
+    seen: list[Conversation] = []
+
+    def factory(conversation: Conversation) -> Refold:
+        seen.append(conversation)
+        return lambda window: conversation.replace(conversation.items[-1:])
+
+    def add(draft: Draft) -> None:
+        draft.body["messages"].append(Message(role="user", content="more"))
+        draft.mark_changed()
+
+    scope = RequestScope(Counters())
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    parsed = _json.loads(raw)
+    prepared = await prepare(
+        raw,
+        parsed,
+        preparers=[add],
+        fingerprint=fingerprint(raw, parsed=parsed),
+        session_id=None,
+        method="POST",
+        path="/",
+        headers=[],
+        scope=scope,
+        refold_factory=factory,
+    )
+    del parsed
+    added = weakref.ref(seen[0].items[-1])
+    assert len(seen[0].items) == 2  # serialized without emptying: the custom closure sees the whole parse
+    assert prepared.body == _json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "more"}]}
+    )
+    assert prepared.refold is not None and prepared.remap_role is not None
+    assert prepared.refold(None) == b'{"model":"m","messages":[{"role":"user","content":"more"}]}'
+    seen.clear()
+    prepared.settle(retain_outbound=True)
+    assert added() is None
 
 
 def test_settle_is_idempotent_and_release_body() -> None:

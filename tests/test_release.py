@@ -8,8 +8,11 @@ gateway suspended mid-stream, the test checks:
 
 - the parsed graph: the preparer swaps the conversation for weak-referenceable containers that
   serialize identically, and every weak reference is dead after ``gc.collect()``;
-- the refold and role-remap closures (found by the upstream during the attempt, before retries
-  settle) are dead;
+- the parsed graph is already gone during the attempt: a changed body's conversation is dropped
+  item by item as it is serialized, and the refold and role-remap closures re-parse the outbound
+  body when they need it instead of holding the parse;
+- those closures (found on the ``Prepared`` holder during the attempt, before retries settle)
+  hold no parse, and are dead;
 - the raw bytes: ``tracemalloc`` sees about the outbound body (RETAIN_OUTBOUND on) or nearly
   nothing (off), where any suspended frame holding the raw body would add another 32 MiB;
 - ``retained_input_bytes`` is exactly the outbound body's size, or 0.
@@ -35,7 +38,7 @@ from blake3 import blake3
 from starlette.types import Message
 
 from asgi_lifetime import LifetimeSettings, MiB
-from asgi_lifetime._prepare import Draft
+from asgi_lifetime._prepare import Draft, Prepared
 from asgi_lifetime._refold import Conversation
 from asgi_lifetime.gateway import create_app
 
@@ -73,6 +76,7 @@ class Probe:
     graph: list[weakref.ref[Any]] = field(default_factory=list)
     closures: list[weakref.ref[Any]] = field(default_factory=list)
     tracked: weakref.ref[Any] | None = None
+    graph_at_attempt: int = -1
 
     def track(self, change: bool) -> Callable[[Draft], None]:
         """A preparer that puts the parsed conversation in weak-referenceable containers.
@@ -97,19 +101,18 @@ class Probe:
         return preparer
 
     def find_closures(self) -> None:
-        """Weak references to the functions closing over the conversation (refold, role remap)."""
-        tracked = self.tracked() if self.tracked is not None else None
-        assert tracked is not None
+        """During the attempt: weak references to the refold and role-remap closures of the request's
+        ``Prepared`` holder, and how much of the parsed graph is still alive at that moment."""
+        assert self.tracked is not None
         gc.collect()
+        self.graph_at_attempt = sum(ref() is not None for ref in self.graph)
         for obj in gc.get_objects():
-            if isinstance(obj, types.FunctionType) and obj.__closure__:
-                for cell in obj.__closure__:
-                    try:
-                        value = cell.cell_contents
-                    except ValueError:  # an empty cell
-                        continue
-                    if isinstance(value, Conversation) and value.doc.get(value.key) is tracked:
-                        self.closures.append(weakref.ref(obj))
+            if isinstance(obj, Prepared) and not obj.settled:
+                for closure in (obj.refold, obj.remap_role):
+                    assert isinstance(closure, types.FunctionType) and closure.__closure__
+                    for cell in closure.__closure__:  # none of them holds (a piece of) a parse
+                        assert not isinstance(cell.cell_contents, Conversation | dict | list)
+                    self.closures.append(weakref.ref(closure))
 
     def alive(self) -> tuple[int, int]:
         return sum(ref() is not None for ref in self.graph), sum(ref() is not None for ref in self.closures)
@@ -277,8 +280,10 @@ async def test_input_is_released_before_the_answer_streams(body: bytes, retain: 
     else:
         assert outbound == len(body) and upstream.hasher.hexdigest() == blake3(body).hexdigest()
 
-    # (a) the parsed graph and the closures over it are gone (and they did exist).
+    # (a) the parsed graph was gone already while the request was sent (no closure holds it), and the
+    # refold / role-remap closures are gone now (and they did exist).
     assert len(probe.graph) > 2 * TURNS and len(probe.closures) == 2
+    assert probe.graph_at_attempt == 0
     assert (graph_alive, closures_alive) == (0, 0)
     # (b) the raw body: only the retained outbound body is still reachable, and accounted for.
     ratio = streaming_memory / len(body)
