@@ -38,22 +38,21 @@ _NOT_FORWARDED = frozenset({"host", "content-length", "content-encoding", "trans
 
 
 class _Input:
-    """The request's input between read and settle: holds the parse and accounts for the raw body.
+    """Accounts for the request's input from read until retries settle.
 
-    The raw body itself goes to ``prepare()``, which forwards it (``Prepared`` holds it) or,
-    when a preparer changed the body, drops it before serializing the new one.
+    The input itself is never held here: ``prepare()`` gets the only references to the raw
+    body and its parse (it forwards the raw body unchanged, or frees it and the parse as it
+    serializes a changed one), and the refold/remap closures re-parse the outbound body.
     """
 
-    __slots__ = ("parsed", "held", "size")
+    __slots__ = ("held", "size")
 
-    def __init__(self, parsed: Any, held: Resource, size: int) -> None:
-        self.parsed: Any = parsed
+    def __init__(self, held: Resource, size: int) -> None:
         self.held: Resource | None = held
         self.size = size
 
     def release(self) -> None:
-        """The settle point: nothing of the input stays reachable from here."""
-        self.parsed = None
+        """The settle point: the input's accounting ends, and freed heap goes back to the OS."""
         held, self.held = self.held, None
         if held is not None:
             held.release_now()
@@ -195,30 +194,29 @@ class Forwarder:
             if raw and _is_json(scope):
                 raise MalformedBody("request body is not valid JSON", code="invalid_json") from None
             parsed = None
-        # prepare() gets the only reference to the raw body: when a preparer changed the body, the
-        # received one is freed before the new one is serialized (the two never coexist).
-        held = _Input(parsed, state.resources.retain(len(raw)), len(raw))
-        handover = [raw]
-        del raw
+        held = _Input(state.resources.retain(len(raw)), len(raw))
+        preparers = self.preparers if parsed is not None else ()
+        # prepare() gets the only references to the body and its parse: what it drops (the
+        # received body once a preparer changed it, each message once serialized) is freed.
+        handover = [raw, parsed]
+        del raw, parsed
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in filter_headers(scope["headers"])
             if k.decode("latin-1").lower() not in _NOT_FORWARDED
         ]
-        path = _upstream_path(scope)
         prepared = await prepare(
-            handover.pop(),
-            parsed,
-            preparers=self.preparers if parsed is not None else (),
+            handover.pop(0),
+            handover.pop(0),
+            preparers=preparers,
             fingerprint=state.fingerprint,
             session_id=session_id,
             method=scope["method"],
-            path=path,
+            path=_upstream_path(scope),
             headers=headers,
             scope=state.resources,
             refold_factory=self.refold_factory,
         )
-        held.parsed = None  # the refold/remap closures in `prepared` are its holders now
         return prepared, held
 
     def _session_id(self, scope: Scope) -> str | None:

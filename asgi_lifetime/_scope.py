@@ -33,9 +33,7 @@ class Resource:
 
     __slots__ = ("_release", "_counters", "_gauge", "_amount")
 
-    def __init__(
-        self, release: Callable[[], object] | None, counters: Counters, gauge: str, amount: int
-    ) -> None:
+    def __init__(self, release: Callable[[], object] | None, counters: Counters, gauge: str, amount: int) -> None:
         self._release: Callable[[], object] | None = release
         self._counters = counters
         self._gauge = gauge
