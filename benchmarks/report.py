@@ -356,19 +356,17 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
     add("Reading the figures:")
     add("")
     add(
-        "- *Preparing* holds, for a changed body, the parse and the new body until the upstream answers (the parse "
-        "stays for the refold closures until retries settle): about 1.3x the body for the parse of many turns "
-        "(small objects: about 700 bytes per turn besides the text; strings with ’ — λ at 2 bytes per character), "
-        "1x for the outbound body, and the UTF-8 copies msgspec (like orjson) caches inside every non-ASCII string "
-        "it serializes. The received body is freed before the new one is built."
+        "- *Preparing* peaks, for a changed body, while the body is parsed: the received body (1x) and the parse "
+        "(about 1.3x the body for many turns: small objects, about 700 bytes per turn besides the text; strings "
+        "with ’ — λ at 2 bytes per character) exist together for a moment. After that the received body is "
+        "freed, and the new body is serialized while the conversation is emptied item by item "
+        "(`_json.dumps_consuming`, with a `malloc_trim` every 8 MiB written), so the parse shrinks as the new "
+        "body grows. No parse survives preparation: the refold and role-remap closures re-parse the outbound "
+        "body on the rare rejection that needs them."
     )
     add(
-        "- Why the peak is above 2.5x for many turns: at the moment the new body is serialized the process "
-        "holds the parse (about 1.3x), the new body (1x) and the UTF-8 copies the encoder caches in the non-ASCII "
-        "strings (here about 0.25x); the raw body is already gone. Going lower needs a different design: drop "
-        "each message of the parse as soon as it is serialized, and let a refold re-parse the outbound body on "
-        "the rare overflow instead of keeping the parse until retries settle. The peak would then be the parse "
-        "itself (raw + parse, about 2.3x), and the forward phase would hold 1x instead of 2.6x."
+        "- So the peak while preparing is about raw + parse (2.3x for many turns), set before any preparer "
+        "runs; lower would need parsing while the body is still arriving."
     )
     add(
         "- One huge string: parsing it needs a scratch copy to unescape it (msgspec and the standard library "
