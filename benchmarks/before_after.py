@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,29 +20,16 @@ import anyio
 
 from benchmarks.bodies import make_body
 from benchmarks.client import Connection
-from benchmarks.rss import Sampler
-from benchmarks.run import PATH, ROOT, TOKENS_PER_SECOND, _warm_up, log, machine
+from benchmarks.run import PATH, ROOT, TOKENS_PER_SECOND, _warm_up, large_request_on, log, machine
 from benchmarks.servers import Server
 
 MiB = 1024 * 1024
 
 
 async def _memory(cwd: str | None, retain: bool, upstream: str, body: bytes) -> dict[str, float]:
-    with Server("gateway", upstream=upstream, retain=retain, cwd=cwd) as server, Sampler(server.pid) as sampler:
-        await _warm_up(server.url)
-        await anyio.sleep(0.4)
-        now = time.monotonic()
-        base = sampler.median(now - 0.3, now)
-        async with Connection(server.url) as conn:
-            result = await conn.post(PATH, body)
-        await anyio.sleep(1.0)
-        end = time.monotonic()
-    return {
-        "peak_prepare": sampler.peak(result.started, result.first_byte) - base,
-        "median_stream": sampler.median(result.first_byte, result.ended) - base,
-        "after": sampler.median(end - 0.3, end) - base,
-        "ttfb_demo": result.ttfb,
-    }
+    server = Server("gateway", upstream=upstream, retain=retain, cwd=cwd)
+    record = await large_request_on(server, body)
+    return {key: record[key] for key in ("peak_prepare", "median_stream", "after")} | {"ttfb_demo": record["ttfb"]}
 
 
 async def _ttfb(cwd: str | None, upstream: str, body: bytes, rounds: int) -> list[float]:

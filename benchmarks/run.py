@@ -155,7 +155,13 @@ async def _warm_up(url: str) -> None:
 
 async def one_large_request(key: str, upstream: str, body: bytes, *, keep_samples: bool = False) -> dict[str, Any]:
     """A fresh gateway process, warmed up; one large request; its RSS above the warm baseline."""
-    with server_for(key, upstream) as server, Sampler(server.pid) as sampler:
+    record = await large_request_on(server_for(key, upstream), body, keep_samples=keep_samples)
+    return {"gateway": key, **record}
+
+
+async def large_request_on(server: Server, body: bytes, *, keep_samples: bool = False) -> dict[str, Any]:
+    """Start ``server``, warm it up, send one large request; its RSS figures above the warm baseline."""
+    with server, Sampler(server.pid) as sampler:
         await _warm_up(server.url)
         await anyio.sleep(0.4)
         now = time.monotonic()
@@ -165,10 +171,9 @@ async def one_large_request(key: str, upstream: str, body: bytes, *, keep_sample
         await anyio.sleep(1.0)
         end = time.monotonic()
     if result.status != 200:
-        raise RuntimeError(f"{key}: large request failed with {result.status}")
+        raise RuntimeError(f"{server.kind}: large request failed with {result.status}")
     size = len(body)
     record: dict[str, Any] = {
-        "gateway": key,
         "size": size,
         "base": base,
         "ttfb": result.ttfb,
