@@ -1,8 +1,11 @@
 """Admission: a slot and a byte budget per request, granted first come, first served.
 
-A request waits at most ``ADMISSION_TIMEOUT`` for both; otherwise it is answered 503 with
-``Retry-After``. The ticket it gets is released exactly once, whatever way the request
-settles (the middleware registers ``ticket.release`` with the request's scope).
+A request waits at most ``ADMISSION_TIMEOUT`` for a slot, and as long again each time its
+body needs more of the byte budget (bytes are charged as they arrive or decode, never from a
+declared Content-Length); otherwise it is answered 503 with ``Retry-After``, and what it held
+goes back, so requests stuck mid-body waiting on each other always come unstuck.
+The ticket it gets is released exactly once, whatever way the request settles (the
+middleware registers ``ticket.release`` with the request's scope).
 """
 
 from __future__ import annotations
@@ -147,6 +150,14 @@ class Ticket:
     async def grow_to(self, total: int) -> None:
         """Grow the charge to ``total`` bytes if it is below that."""
         await self.grow(total - self.nbytes)
+
+    def shrink_to(self, total: int) -> None:
+        """Give back the charge above ``total`` bytes (a reservation the body did not use)."""
+        extra = self.nbytes - max(total, 0)
+        if self._released or extra <= 0:
+            return
+        self.nbytes -= extra
+        self._admission._give_back(0, extra)
 
     def release(self) -> None:
         """Give the slot and bytes back (idempotent)."""

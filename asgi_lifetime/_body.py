@@ -3,6 +3,10 @@
 ``read_body`` assembles the body exactly once into an ``io.BytesIO`` and drops each
 chunk as soon as it is copied. Whatever way it settles (success, error, cancellation),
 it holds nothing afterwards: not in its frame, not in the traceback of what it raised.
+
+Decoding is a decoder object fed one chunk at a time and drained one bounded step at a
+time (as httpx's ``_decoders.py``): before each step the reader reserves the bytes that
+step may add (``on_progress``), so the admission budget is charged before memory grows.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any, Protocol
 import anyio
 from starlette.types import Message, Receive
 
-from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTooLarge, MalformedBody
+from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTimeout, BodyTooLarge, MalformedBody, UnsupportedEncoding
 
 __all__ = ["parse_content_length", "read_body"]
 
@@ -25,6 +29,7 @@ _STEP = 256 * 1024
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
 _ZLIB_WBITS = zlib.MAX_WBITS
 _RAW_WBITS = -zlib.MAX_WBITS
+_GZIP_MAGIC = 0x1F
 
 
 class Hasher(Protocol):
@@ -41,35 +46,252 @@ def _malformed_encoding(encoding: str) -> MalformedBody:
     return MalformedBody(f"request body is not valid {encoding} data (corrupt or truncated)", code="malformed_encoding")
 
 
-def _encoding(content_encoding: str | None) -> str | None:
-    """Normalize Content-Encoding to ``None`` (raw), ``"gzip"`` or ``"deflate"``."""
+def _trailing_data() -> MalformedBody:
+    return MalformedBody("request body has data after the end of the compressed stream", code="malformed_encoding")
+
+
+class _Decoder(Protocol):
+    """Turns wire chunks into body pieces, one bounded step at a time.
+
+    ``feed`` hands over a chunk (only once ``ready()`` is false); while ``ready()``, each
+    ``step(limit)`` returns the next piece, at most ``bound(limit)`` bytes, and makes progress
+    (consumes input, produces output, or raises), so draining always ends. ``finish`` checks
+    the stream is complete once the wire has ended; ``close`` drops every reference.
+    """
+
+    def feed(self, chunk: bytes) -> None: ...
+    def ready(self) -> bool: ...
+    def bound(self, limit: int) -> int: ...
+    def step(self, limit: int) -> bytes: ...
+    def finish(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class _IdentityDecoder:
+    """No content coding: each chunk is one piece, copied once into the body by the reader."""
+
+    __slots__ = ("_chunk",)
+
+    def __init__(self) -> None:
+        self._chunk: bytes | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self._chunk = chunk
+
+    def ready(self) -> bool:
+        return self._chunk is not None
+
+    def bound(self, limit: int) -> int:
+        return len(self._chunk or b"")  # already received and checked against the wire limit
+
+    def step(self, limit: int) -> bytes:
+        chunk, self._chunk = self._chunk, None
+        return chunk or b""
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._chunk = None
+
+
+class _ZlibDecoder:
+    """gzip (several members, RFC 1952 2.2) or deflate (zlib-wrapped or raw), step by step.
+
+    Input is a window into the current chunk; each zlib call gets at most ``_STEP`` of it and
+    returns at most ``limit`` bytes, and the window advances by what zlib consumed. A step that
+    neither consumes nor produces is an error, not a retry: no input can make draining spin.
+    After the end of the stream, more input is a further gzip member or an error.
+    """
+
+    __slots__ = ("encoding", "_zlib", "_input", "_offset", "_output_pending")
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        self._zlib: Any = None  # zlib.Decompress (not nameable at runtime before 3.12)
+        self._input = memoryview(b"")
+        self._offset = 0
+        self._output_pending = False  # the last call filled its limit: zlib may hold more output
+
+    def feed(self, chunk: bytes) -> None:
+        self._input.release()
+        self._input = memoryview(chunk)
+        self._offset = 0
+
+    def ready(self) -> bool:
+        return self._offset < len(self._input) or self._output_pending
+
+    def bound(self, limit: int) -> int:
+        return limit
+
+    def step(self, limit: int) -> bytes:
+        if self._zlib is None or self._zlib.eof:
+            self._start()
+        data = self._input[self._offset : self._offset + _STEP]
+        size = len(data)
+        try:
+            piece: bytes = self._zlib.decompress(data, limit)
+        except zlib.error:
+            raise _malformed_encoding(self.encoding) from None
+        finally:
+            data.release()
+        # What zlib did not consume: in unconsumed_tail, except at the end of the stream, where it is
+        # in unused_data (and unconsumed_tail may still hold a stale copy of it: never feed that back).
+        left = self._zlib.unused_data if self._zlib.eof else self._zlib.unconsumed_tail
+        consumed = size - len(left)
+        self._offset += consumed
+        self._output_pending = len(piece) == limit and not self._zlib.eof
+        if not piece and not consumed and size:
+            raise _malformed_encoding(self.encoding)  # no progress: never loop on it
+        return piece
+
+    def _start(self) -> None:
+        """Start a stream (first, or a further gzip member) on the input at the window."""
+        first = self._input[self._offset]
+        if self._zlib is not None and (self.encoding != "gzip" or first != _GZIP_MAGIC):
+            raise _trailing_data()
+        self._zlib = zlib.decompressobj(self._wbits(first))
+
+    def _wbits(self, first: int) -> int:
+        if self.encoding == "gzip":
+            return _GZIP_WBITS
+        # "deflate" is meant to be zlib-wrapped but is often sent raw. A zlib stream starts with
+        # CM=8 and CINFO<=7; a raw stream could only start so with a stored block whose padding
+        # bits are set, which no encoder emits. A bad zlib header still fails inside zlib.
+        return _ZLIB_WBITS if first & 0x0F == 8 and first >> 4 <= 7 else _RAW_WBITS
+
+    def finish(self) -> None:
+        # No bytes at all is an empty body (accepted); anything else must have reached the end.
+        if self._zlib is not None and not self._zlib.eof:
+            raise _malformed_encoding(self.encoding)
+
+    def close(self) -> None:
+        self._input.release()
+        self._zlib = None
+
+
+def _decoder(content_encoding: str | None) -> _Decoder:
+    """The decoder for a Content-Encoding: identity, gzip (x-gzip) or deflate; anything else is 415."""
     encoding = (content_encoding or "").strip().lower()
     if encoding in ("", "identity"):
-        return None
+        return _IdentityDecoder()
     if encoding in ("gzip", "x-gzip"):
-        return "gzip"
+        return _ZlibDecoder("gzip")
     if encoding == "deflate":
-        return "deflate"
-    raise MalformedBody(f"unsupported Content-Encoding {encoding!r}", code="unsupported_encoding")
+        return _ZlibDecoder("deflate")
+    raise UnsupportedEncoding(
+        f"unsupported Content-Encoding {encoding!r}: send the body as identity, gzip or deflate (one coding)",
+        code="unsupported_encoding",
+    )
 
 
-def _wbits(encoding: str, first: int) -> int:
-    if encoding == "gzip":
-        return _GZIP_WBITS
-    # "deflate" is meant to be zlib-wrapped but is often sent raw. A zlib stream starts with
-    # CM=8 and CINFO<=7; a raw stream could only start so with a stored block whose padding
-    # bits are set, which no encoder emits. A bad zlib header still fails inside zlib.
-    return _ZLIB_WBITS if first & 0x0F == 8 and first >> 4 <= 7 else _RAW_WBITS
+class _Reader:
+    """One body being read: the receive loop, its limits and the assembled buffer.
 
+    ``on_progress(total)`` is awaited before the body may grow to ``total`` bytes (on arrival
+    of a raw chunk, before each inflate step of an encoded one), so whoever charges a budget
+    there is charged before the memory is taken, and can hold the body back while it waits.
+    """
 
-async def _receive(receive: Receive, idle_timeout: float | None) -> Message:
-    if idle_timeout is None:
-        return await receive()
-    # move_on_after rather than fail_after: a TimeoutError raised by receive() itself must not
-    # be mistaken for our idle timeout. Cancellation from outside still propagates.
-    with anyio.move_on_after(idle_timeout):
-        return await receive()
-    raise BodyIdleTimeout(idle_timeout)
+    def __init__(
+        self,
+        receive: Receive,
+        decoder: _Decoder,
+        *,
+        max_bytes: int,
+        expected_length: int | None,
+        idle_timeout: float | None,
+        body_timeout: float | None,
+        hasher: Hasher | None,
+        on_progress: Callable[[int], Awaitable[object]] | None,
+    ) -> None:
+        self.receive = receive
+        self.decoder = decoder
+        self.max_bytes = max_bytes
+        self.expected_length = expected_length
+        self.idle_timeout = idle_timeout
+        self.deadline = None if body_timeout is None else anyio.current_time() + body_timeout
+        self.body_timeout = body_timeout
+        self.hasher = hasher
+        self.on_progress = on_progress
+        # No preallocation from Content-Length: memory follows the bytes that arrive (a
+        # declared length costs nothing until it is sent). Growth by realloc stays near 1x.
+        self.buf = io.BytesIO()
+        self.wire = 0
+        self.decoded = 0
+
+    async def read(self) -> bytes:
+        more_body = True
+        while more_body:
+            chunk, more_body = await self._next_chunk()
+            if chunk:
+                self.decoder.feed(chunk)
+                chunk = None
+                await self._drain()
+        if self.expected_length is not None and self.wire != self.expected_length:
+            raise _mismatch()
+        self.decoder.finish()
+        return self.buf.getvalue()
+
+    async def _next_chunk(self) -> tuple[Any, bool]:
+        message = await self._receive()
+        kind = message["type"]
+        if kind == "http.disconnect":
+            raise BodyAborted()
+        if kind != "http.request":
+            raise MalformedBody(
+                f"unexpected ASGI message {kind!r} while reading the request body", code="unexpected_message"
+            )
+        chunk = message.get("body", b"")
+        more_body = bool(message.get("more_body", False))
+        del message
+        self.wire += len(chunk)
+        # Checked before copying anything, so the chunk that crosses a limit is never buffered
+        # (nor kept by the traceback, which holds this frame).
+        if self.expected_length is not None and self.wire > self.expected_length:
+            chunk = None
+            raise _mismatch()
+        if self.wire > self.max_bytes:
+            chunk = None
+            raise BodyTooLarge(self.max_bytes)
+        return chunk, more_body
+
+    async def _receive(self) -> Message:
+        wait, error = self.idle_timeout, None
+        if self.deadline is not None:
+            remaining = self.deadline - anyio.current_time()
+            if wait is None or remaining < wait:
+                wait, error = max(remaining, 0.0), BodyTimeout(self.body_timeout or 0.0)
+        if wait is None:
+            return await self.receive()
+        # move_on_after rather than fail_after: a TimeoutError raised by receive() itself must not
+        # be mistaken for our timeout. Cancellation from outside still propagates.
+        with anyio.move_on_after(wait):
+            return await self.receive()
+        raise error or BodyIdleTimeout(wait)
+
+    async def _drain(self) -> None:
+        """Step the decoder until it needs more input, reserving each step's bytes first."""
+        while self.decoder.ready():
+            # One byte over the limit is enough to know the body is too large.
+            limit = min(self.max_bytes - self.decoded + 1, _STEP)
+            if self.on_progress is not None:
+                await self.on_progress(min(self.decoded + self.decoder.bound(limit), self.max_bytes))
+            self._append(self.decoder.step(limit))
+
+    def _append(self, piece: bytes) -> None:
+        self.decoded += len(piece)
+        if self.decoded > self.max_bytes:
+            del piece  # the traceback keeps this frame
+            raise BodyTooLarge(self.max_bytes)
+        self.buf.write(piece)
+        if self.hasher is not None:
+            self.hasher.update(piece)
+
+    def close(self) -> None:
+        # The traceback of whatever read_body raises keeps its frame, so this object, alive.
+        self.decoder.close()
+        self.buf.close()
 
 
 async def read_body(
@@ -78,6 +300,7 @@ async def read_body(
     max_bytes: int,
     expected_length: int | None = None,
     idle_timeout: float | None = None,
+    body_timeout: float | None = None,
     content_encoding: str | None = None,
     hasher: Hasher | None = None,
     on_progress: Callable[[int], Awaitable[object]] | None = None,
@@ -86,104 +309,35 @@ async def read_body(
 
     ``max_bytes`` bounds both the wire and the decoded size (``BodyTooLarge``);
     ``expected_length`` is the Content-Length (wire bytes, so compressed if encoded);
-    ``idle_timeout`` is the longest wait for one message (``BodyIdleTimeout``);
-    ``content_encoding`` may be identity, gzip, x-gzip or deflate (zlib or raw).
+    ``idle_timeout`` is the longest wait for one message (``BodyIdleTimeout``) and
+    ``body_timeout`` the time for the whole body, from this call (``BodyTimeout``);
+    ``content_encoding`` may be identity, gzip, x-gzip (several members allowed) or deflate
+    (zlib or raw); any other coding raises ``UnsupportedEncoding`` (415) before reading.
     ``hasher.update`` is fed the decoded body piece by piece.
-    ``on_progress`` is awaited with the running count of wire bytes after each chunk that
-    passed the limits (the admission byte budget charges there); its wait is not idle time.
-    Raises ``BodyAborted`` on ``http.disconnect`` and ``MalformedBody`` for bad framing or encoding.
+    ``on_progress`` is awaited with the size the body is about to grow to, before it grows
+    (on each raw chunk, before each bounded inflate step): the admission budget charges there.
+    Its wait is not idle time, but counts against ``body_timeout``.
+    Raises ``BodyAborted`` on ``http.disconnect`` and ``MalformedBody`` for bad framing or
+    encoding, including data after the end of a compressed stream.
     """
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes!r}")
     if expected_length is not None and expected_length > max_bytes:
         raise BodyTooLarge(max_bytes)
-    encoding = _encoding(content_encoding)
-
-    buf = io.BytesIO()
-    message: Message | None = None
-    chunk: Any = None
-    view: memoryview | None = None
-    data: Any = None
-    piece: bytes | None = None
-    decoder: Any = None  # zlib.Decompress (not nameable at runtime before 3.12)
+    reader = _Reader(
+        receive,
+        _decoder(content_encoding),
+        max_bytes=max_bytes,
+        expected_length=expected_length,
+        idle_timeout=idle_timeout,
+        body_timeout=body_timeout,
+        hasher=hasher,
+        on_progress=on_progress,
+    )
     try:
-        if expected_length and encoding is None:
-            # Preallocate: the chunks overwrite these zeros, and getvalue() then hands back
-            # BytesIO's own bytes object without a copy, so the body exists once in memory.
-            buf.seek(expected_length - 1)
-            buf.write(b"\0")
-            buf.seek(0)
-        wire = decoded = 0
-        more_body = True
-        while more_body:
-            message = await _receive(receive, idle_timeout)
-            kind = message["type"]
-            if kind == "http.disconnect":
-                raise BodyAborted()
-            if kind != "http.request":
-                raise MalformedBody(
-                    f"unexpected ASGI message {kind!r} while reading the request body", code="unexpected_message"
-                )
-            chunk = message.get("body", b"")
-            more_body = bool(message.get("more_body", False))
-            message = None
-            wire += len(chunk)
-            # Checked before copying anything, so the chunk that crosses a limit is never buffered.
-            if expected_length is not None and wire > expected_length:
-                raise _mismatch()
-            if wire > max_bytes:
-                raise BodyTooLarge(max_bytes)
-            if not chunk:
-                continue
-            if on_progress is not None:
-                await on_progress(wire)
-            if encoding is None:
-                buf.write(chunk)
-                if hasher is not None:
-                    hasher.update(chunk)
-                chunk = None
-                continue
-            if decoder is None:
-                decoder = zlib.decompressobj(_wbits(encoding, chunk[0]))
-            view = memoryview(chunk)
-            for start in range(0, len(view), _STEP):
-                data = view[start : start + _STEP]
-                while True:
-                    limit = min(max_bytes - decoded + 1, _STEP)
-                    try:
-                        piece = decoder.decompress(data, limit)
-                    except zlib.error:
-                        raise _malformed_encoding(encoding) from None
-                    data = decoder.unconsumed_tail
-                    decoded += len(piece)
-                    if decoded > max_bytes:
-                        raise BodyTooLarge(max_bytes)
-                    buf.write(piece)
-                    if hasher is not None:
-                        hasher.update(piece)
-                    # A full piece may leave output pending inside zlib even with no input left.
-                    if not data and len(piece) < limit:
-                        break
-                if decoder.eof and decoder.unused_data:
-                    raise MalformedBody(
-                        "request body has data after the end of the compressed stream", code="malformed_encoding"
-                    )
-            data = piece = None
-            view.release()
-            view = chunk = None
-        if expected_length is not None and wire != expected_length:
-            raise _mismatch()
-        # An empty body with a Content-Encoding header is accepted as empty.
-        if decoder is not None and not decoder.eof:
-            raise _malformed_encoding(str(encoding))
-        return buf.getvalue()
+        return await reader.read()
     finally:
-        # The traceback of whatever we raise keeps this frame, so its locals, alive.
-        message = chunk = data = piece = decoder = None
-        if view is not None:
-            view.release()
-            view = None
-        buf.close()
+        reader.close()
 
 
 def parse_content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:

@@ -7,7 +7,9 @@ OpenAI-style JSON body ``{"error": {"type", "code", "message"}}``::
     ├── RequestError                   4xx, the client's request is at fault
     │   ├── BodyAborted                499 client closed before the body completed
     │   ├── BodyTooLarge               413
-    │   ├── BodyIdleTimeout            408
+    │   ├── BodyIdleTimeout            408 no body chunk for BODY_IDLE_TIMEOUT
+    │   ├── BodyTimeout                408 body not complete within BODY_TIMEOUT
+    │   ├── UnsupportedEncoding        415 Content-Encoding other than identity, gzip, deflate
     │   ├── MalformedBody              400 bad content-encoding, bad JSON, bad framing
     │   └── AuthenticationError        401
     ├── AdmissionRejected              503 with Retry-After
@@ -32,11 +34,13 @@ __all__ = [
     "AuthenticationError",
     "BodyAborted",
     "BodyIdleTimeout",
+    "BodyTimeout",
     "BodyTooLarge",
     "LifetimeError",
     "MalformedBody",
     "RequestError",
     "StarvationError",
+    "UnsupportedEncoding",
     "UpstreamError",
     "UpstreamStalled",
     "UpstreamTimeout",
@@ -166,3 +170,21 @@ class StarvationError(UpstreamError):
     """The upstream ended without producing any output (or without a terminal event)."""
 
     code = "upstream_starved"
+
+
+class BodyTimeout(RequestError):
+    """The whole request body did not arrive within ``BODY_TIMEOUT`` (a slow but never idle sender)."""
+
+    status_code = 408
+    code = "request_body_timeout"
+
+    def __init__(self, timeout: float, *, code: str | None = None) -> None:
+        super().__init__(f"request body not received in full within {timeout:g} seconds", code=code)
+        self.timeout = timeout
+
+
+class UnsupportedEncoding(RequestError):
+    """A Content-Encoding the gateway cannot decode (RFC 9110 15.5.16: 415 Unsupported Media Type)."""
+
+    status_code = 415
+    code = "unsupported_encoding"

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _json
 from ._admission import Admission
 from ._body import parse_content_length, read_body
-from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTooLarge, LifetimeError
+from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTimeout, BodyTooLarge, LifetimeError
 from ._fingerprint import Fingerprint, fingerprint
 from ._scope import RequestScope, Resource
 from ._settings import LifetimeSettings
@@ -24,6 +24,7 @@ __all__ = ["Lifetime", "LifetimeMiddleware", "RequestLifetime", "route_path", "s
 logger = logging.getLogger(__name__)
 
 _NOT_PARSED: Any = object()
+_CLOSE = ((b"connection", b"close"),)
 
 
 class Lifetime:
@@ -184,7 +185,9 @@ class LifetimeMiddleware:
                 if isinstance(exc, BodyAborted):
                     logger.info("%s %s: %s", scope["method"], scope["path"], exc.message)
                 else:
-                    await send_error(send, exc)
+                    # The body may be unread: the server must not parse what follows on this
+                    # connection as a new request (smuggling), so ask it to close.
+                    await send_error(send, exc, extra_headers=_CLOSE)
                 return
             try:
                 await self.app(inner_scope, replay, send)
@@ -206,7 +209,8 @@ class LifetimeMiddleware:
         encoding = _header(headers, b"content-encoding")
 
         started = time.monotonic()
-        ticket = await lifetime.admission.acquire(length or 0)
+        # A slot, but no bytes yet: a declared Content-Length costs budget only as it is sent.
+        ticket = await lifetime.admission.acquire(0)
         resources.add(ticket.release)
         admission_wait = time.monotonic() - started
 
@@ -216,11 +220,12 @@ class LifetimeMiddleware:
             max_bytes=settings.max_body_bytes,
             expected_length=length,
             idle_timeout=settings.body_idle_timeout,
+            body_timeout=settings.body_timeout,
             content_encoding=encoding,
             hasher=hasher,
-            on_progress=ticket.grow_to if length is None else None,
+            on_progress=ticket.grow_to,  # charged before the body grows, raw or decoded
         )
-        await ticket.grow_to(len(raw))  # a decoded body is charged at its decoded size
+        ticket.shrink_to(len(raw))  # give back the last inflate step's unused reservation
         hold = resources.retain(len(raw))
         parsed: Any = _NOT_PARSED
         if _is_json(headers):
@@ -261,7 +266,7 @@ def _count(counters: Counters, exc: LifetimeError) -> None:
         counters.aborted += 1
     elif isinstance(exc, BodyTooLarge):
         counters.too_large += 1
-    elif isinstance(exc, BodyIdleTimeout):
+    elif isinstance(exc, (BodyIdleTimeout, BodyTimeout)):
         counters.timed_out += 1
 
 

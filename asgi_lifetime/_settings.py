@@ -144,12 +144,13 @@ SETTINGS: dict[str, SettingSpec] = {
         # Reading and admission.
         SettingSpec("max_body_bytes", _parse_size, _positive, "Largest request body accepted (after decoding)."),
         SettingSpec("body_idle_timeout", _parse_float, _positive, "Seconds without a body chunk before 408."),
+        SettingSpec("body_timeout", _parse_float, _positive, "Seconds the whole request body may take before 408."),
         SettingSpec("max_inflight", _parse_int, _at_least_one, "Requests admitted at once."),
         SettingSpec(
             "max_inflight_bytes",
             _parse_size,
             _positive,
-            "Sum of admitted request bodies (by Content-Length or bytes read).",
+            "Sum of admitted request bodies, charged as bytes arrive and decode.",
         ),
         SettingSpec("admission_timeout", _parse_float, _non_negative, "Seconds a request may wait for admission."),
         SettingSpec("paths", _parse_list, _path_prefixes, "Comma-separated path prefixes the middleware handles."),
@@ -195,6 +196,7 @@ class LifetimeSettings:
 
     max_body_bytes: int = 64 * MiB
     body_idle_timeout: float = 30.0
+    body_timeout: float = 300.0
     max_inflight: int = 64
     max_inflight_bytes: int = 1 * GiB
     admission_timeout: float = 10.0
