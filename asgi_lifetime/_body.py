@@ -226,8 +226,8 @@ class _Reader:
             chunk, more_body = await self._next_chunk()
             if chunk:
                 self.decoder.feed(chunk)
-                chunk = None
-                await self._drain()
+            chunk = None  # the decoder holds it until drained
+            await self._drain()
         if self.expected_length is not None and self.wire != self.expected_length:
             raise _mismatch()
         self.decoder.finish()
@@ -236,15 +236,17 @@ class _Reader:
     async def _next_chunk(self) -> tuple[Any, bool]:
         message = await self._receive()
         kind = message["type"]
+        chunk = message.get("body", b"")
+        more_body = bool(message.get("more_body", False))
+        del message  # the traceback of what this raises keeps this frame
         if kind == "http.disconnect":
+            chunk = None
             raise BodyAborted()
         if kind != "http.request":
+            chunk = None
             raise MalformedBody(
                 f"unexpected ASGI message {kind!r} while reading the request body", code="unexpected_message"
             )
-        chunk = message.get("body", b"")
-        more_body = bool(message.get("more_body", False))
-        del message
         self.wire += len(chunk)
         # Checked before copying anything, so the chunk that crosses a limit is never buffered
         # (nor kept by the traceback, which holds this frame).
@@ -344,11 +346,16 @@ def parse_content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     """Return the Content-Length from ASGI headers, or ``None`` if absent.
 
     Repeated identical values (``12, 12`` or two headers) are accepted per RFC 9110;
-    anything else not a plain non-negative decimal raises ``MalformedBody``.
+    anything else not a plain non-negative decimal raises ``MalformedBody``, and so does a
+    Content-Length beside a Transfer-Encoding (RFC 9112 6.1: the framing is ambiguous, the
+    shape of request smuggling; some servers pass both through).
     """
     lengths: set[int] = set()
+    chunked = False
     for name, value in headers:
-        if name.lower() != b"content-length":
+        lowered = name.lower()
+        chunked = chunked or lowered == b"transfer-encoding"
+        if lowered != b"content-length":
             continue
         for raw in value.split(b","):
             item = raw.strip(b" \t")
@@ -360,4 +367,6 @@ def parse_content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
                 raise MalformedBody("invalid Content-Length header", code="invalid_content_length") from None
     if len(lengths) > 1:
         raise MalformedBody("conflicting Content-Length headers", code="invalid_content_length")
+    if lengths and chunked:
+        raise MalformedBody("request has both Content-Length and Transfer-Encoding", code="conflicting_framing")
     return lengths.pop() if lengths else None

@@ -471,3 +471,59 @@ async def test_close_keeps_waiting_grows(counters: Counters) -> None:
     assert ticket.nbytes == 900
     assert counters.rejected == 0
     ticket.release()
+
+
+async def test_shrink_to_gives_back_the_unused_reservation(counters: Counters) -> None:
+    admission = make(counters)
+    ticket = await admission.acquire(0)
+    await ticket.grow_to(900)
+    waiter = Requester(admission, 300)
+    async with anyio.create_task_group() as tg:
+        await start(tg, waiter)
+        assert not waiter.admitted.is_set()
+        ticket.shrink_to(600)  # the body ended up smaller than its last reserved step
+        with anyio.fail_after(2):
+            await waiter.admitted.wait()
+    assert ticket.nbytes == 600 and counters.inflight_bytes == 900
+    ticket.shrink_to(700)  # never grows
+    ticket.shrink_to(-5)  # nor goes below nothing
+    assert ticket.nbytes == 0 and counters.inflight_bytes == 300
+    ticket.release()
+    ticket.shrink_to(0)  # after release: nothing to give back twice
+    waiter.release()
+
+
+async def test_requests_stuck_mid_body_waiting_on_each_other_come_unstuck(counters: Counters) -> None:
+    """Admitted with no bytes, each body charged as it arrives: when all wait for budget only
+    their peers hold, the admission timeout turns the oldest waiter away (503) and what it held
+    goes back, so the rest proceed. Nobody waits forever; nothing leaks."""
+    admission = make(counters, timeout=0.1)
+    outcomes: dict[int, str] = {}
+    halfway = [anyio.Event() for _ in range(3)]
+    go = anyio.Event()
+
+    async def body(index: int) -> None:
+        ticket = await admission.acquire(0)
+        try:
+            await ticket.grow_to(300)  # 900 of 1000 held by the three
+            halfway[index].set()
+            await go.wait()
+            for total in range(400, 701, 100):  # each wants 700: only one can have it
+                await ticket.grow_to(total)
+            outcomes[index] = "completed"
+        except AdmissionRejected:
+            outcomes[index] = "rejected"
+        finally:
+            ticket.release()  # as the middleware's request scope does
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for index in range(3):
+                tg.start_soon(body, index)
+            for event in halfway:
+                await event.wait()
+            assert counters.inflight_bytes == 900
+            go.set()
+    assert sorted(outcomes.values()).count("completed") >= 1
+    assert len(outcomes) == 3
+    assert counters.rejected == list(outcomes.values()).count("rejected") >= 1

@@ -1,0 +1,278 @@
+"""Reading bodies over real sockets: framing errors close the connection, the byte budget
+follows bytes received and decoded, and the whole-body deadline holds.
+
+The middleware runs in front of a tiny app under uvicorn (h11; httptools is not installed
+here) and under hypercorn (asyncio and trio workers), each in its own thread; the clients are
+raw sockets on 127.0.0.1 driven from the test's own event loop (asyncio or trio).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import hypercorn.asyncio
+import hypercorn.config
+import hypercorn.trio
+import pytest
+from starlette.types import Receive, Scope, Send
+
+from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
+from asgi_lifetime._serve import serve_in_thread
+from asgi_lifetime._settings import KiB
+
+from .test_faults import eventually
+
+pytestmark = pytest.mark.anyio
+
+SERVERS = ["uvicorn-h11", "hypercorn-asyncio", "hypercorn-trio"]
+# hypercorn's trio worker fails pipelined requests on its own (trio.BusyResourceError "another task
+# is currently sending data on this SocketStream", good requests included): not part of that matrix.
+PIPELINING = SERVERS[:2]
+SECOND = b"POST /v1/second HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi"
+
+
+# --- the app and its servers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    """The middleware in front of an app that records each request it is given."""
+
+    middleware: LifetimeMiddleware
+    port: int = 0
+    seen: list[str] = field(default_factory=list)
+
+    @property
+    def counters(self) -> Any:
+        return self.middleware.lifetime.counters
+
+
+def make_app(**changes: Any) -> Served:
+    settings = LifetimeSettings(
+        **{"paths": ("/v1/",), "admission_timeout": 0.5, "body_idle_timeout": 1.0, "max_body_bytes": 64 * KiB} | changes
+    )
+    served: Served
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        served.seen.append(scope["path"])
+        size = 0
+        while True:
+            message = await receive()
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = json.dumps({"size": size}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    served = Served(LifetimeMiddleware(app, settings=settings))
+    return served
+
+
+@contextmanager
+def hypercorn_in_thread(app: Any, worker: str) -> Iterator[int]:
+    """hypercorn on a socket bound here, in a thread running its own ``worker`` event loop."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    config = hypercorn.config.Config()
+    config.bind = [f"fd://{os.dup(sock.fileno())}"]  # hypercorn closes the one it is given
+    config.accesslog = None
+    config.graceful_timeout = 1
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    async def main() -> None:
+        async def shutdown_trigger() -> None:
+            await anyio.to_thread.run_sync(stop.wait, abandon_on_cancel=True)
+
+        serve = hypercorn.asyncio.serve if worker == "asyncio" else hypercorn.trio.serve
+        await serve(app, config, shutdown_trigger=shutdown_trigger)
+
+    def run() -> None:
+        try:
+            anyio.run(main, backend=worker)
+        except BaseException as exc:  # reported when the test leaves
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"hypercorn-{worker}", daemon=True)
+    thread.start()
+    try:
+        yield sock.getsockname()[1]  # listening already: connections queue until hypercorn accepts
+    finally:
+        stop.set()
+        thread.join(10)
+        sock.close()
+    assert not thread.is_alive(), "hypercorn did not stop"
+    assert not failure, failure
+
+
+@contextmanager
+def serving(served: Served, server: str) -> Iterator[Served]:
+    if server == "uvicorn-h11":
+        with serve_in_thread(served.middleware, http="h11") as url:
+            served.port = int(url.rsplit(":", 1)[1])
+            yield served
+    else:
+        with hypercorn_in_thread(served.middleware, server.split("-", 1)[1]) as port:
+            served.port = port
+            yield served
+
+
+# --- raw clients ----------------------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def connect(served: Served) -> AsyncIterator[anyio.abc.SocketStream]:
+    stream = await anyio.connect_tcp("127.0.0.1", served.port)
+    async with stream:
+        yield stream
+
+
+async def read_until_closed(stream: anyio.abc.SocketStream, seconds: float = 5.0) -> tuple[bytes, bool]:
+    """Everything the server sends, and whether it closed the connection within ``seconds``."""
+    data = bytearray()
+    with anyio.move_on_after(seconds):
+        while True:
+            try:
+                data += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return bytes(data), True
+    return bytes(data), False
+
+
+async def read_response(
+    stream: anyio.abc.SocketStream, buffer: bytearray | None = None, seconds: float = 5.0
+) -> tuple[int, dict[str, str], bytes]:
+    """One complete response with a Content-Length (what the middleware and the app send);
+    bytes read past it stay in ``buffer`` for the next call."""
+    data = bytearray() if buffer is None else buffer
+    with anyio.fail_after(seconds):
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive()
+        head, _, _ = bytes(data).partition(b"\r\n\r\n")
+        status, headers = parse_head(head)
+        end = len(head) + 4 + int(headers.get("content-length", "0"))
+        while len(data) < end:
+            data += await stream.receive()
+    body = bytes(data[len(head) + 4 : end])
+    del data[:end]
+    return status, headers, body
+
+
+def parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = (headers.get(name.strip().lower(), "") + "," + value.strip()).strip(",")
+    return int(lines[0].split()[1]), headers
+
+
+def request(body: bytes, *headers: str, path: str = "/v1/first") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "host: x", "content-type: application/octet-stream", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def gzip_tail_junk() -> bytes:
+    return gzip.compress(b"ok", mtime=0) + b"junk"
+
+
+# --- 7: an error sent before the body was read closes the connection -----------------------------------------
+
+BAD = {
+    # The framing is the server's to enforce; what each server does is asserted below.
+    "cl-and-te": request(b"5\r\nhello\r\n0\r\n\r\n", "content-length: 5", "transfer-encoding: chunked"),
+    "too-large-by-length": request(b"x" * (64 * KiB + 1), f"content-length: {64 * KiB + 1}"),
+    "too-large-chunked": request(
+        b"%x\r\n" % (64 * KiB + 1) + b"x" * (64 * KiB + 1) + b"\r\n0\r\n\r\n", "transfer-encoding: chunked"
+    ),
+    "unsupported-encoding": request(b"abcde", "content-length: 5", "content-encoding: br"),
+    "stacked-encoding": request(b"abcde", "content-length: 5", "content-encoding: gzip, gzip"),
+    "invalid-content-length": request(b"abcde", "content-length: 5, 6"),
+    "malformed-gzip": request(gzip_tail_junk(), f"content-length: {len(gzip_tail_junk())}", "content-encoding: gzip"),
+}
+EXPECTED_STATUS = {
+    "cl-and-te": 400,
+    "too-large-by-length": 413,
+    "too-large-chunked": 413,
+    "unsupported-encoding": 415,
+    "stacked-encoding": 415,
+    "invalid-content-length": 400,
+    "malformed-gzip": 400,
+}
+
+
+@pytest.mark.parametrize("server", PIPELINING)
+@pytest.mark.parametrize("case", list(BAD))
+async def test_error_before_the_body_is_read_closes_the_connection(server: str, case: str) -> None:
+    """The bad request and a second one pipelined behind it, in one write: the second never reaches the app."""
+    with serving(make_app(), server) as served:
+        async with connect(served) as stream:
+            await stream.send(BAD[case] + SECOND)
+            data, closed = await read_until_closed(stream)
+        assert closed, f"{server} kept the connection open after: {data[:200]!r}"
+        assert "/v1/second" not in served.seen
+        assert data.count(b"HTTP/1.1 ") == 1, data  # one answer, to the bad request only
+        status, headers = parse_head(data.partition(b"\r\n\r\n")[0])
+        assert status == EXPECTED_STATUS[case]
+        assert headers.get("connection") == "close"
+    assert served.counters.inflight_requests == 0 and served.counters.inflight_bytes == 0
+
+
+@pytest.mark.parametrize("server", SERVERS)
+async def test_idle_timeout_closes_the_connection_before_the_rest_is_read_as_a_request(server: str) -> None:
+    with serving(make_app(body_idle_timeout=0.2), server) as served:
+        async with connect(served) as stream:
+            await stream.send(request(b"01234", "content-length: 20"))
+            status, headers, body = await read_response(stream)
+            assert status == 408 and headers.get("connection") == "close"
+            assert json.loads(body)["error"]["code"] == "request_timeout"
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                await stream.send(b"56789012345678901234" + SECOND)  # the rest, then a request
+            data, closed = await read_until_closed(stream)
+        assert closed and b"HTTP/1.1" not in data
+        assert served.seen == []
+
+
+@pytest.mark.parametrize("server", PIPELINING)
+async def test_admission_503_closes_the_connection(server: str) -> None:
+    with serving(make_app(max_inflight=1, admission_timeout=0.2, body_idle_timeout=5.0), server) as served:
+        async with connect(served) as holder:
+            await holder.send(request(b"0", "content-length: 10"))  # admitted, then holds its slot
+            await eventually(lambda: served.counters.inflight_requests == 1)
+            async with connect(served) as stream:
+                await stream.send(request(b"abc", "content-length: 3") + SECOND)
+                data, closed = await read_until_closed(stream)
+            assert closed and data.count(b"HTTP/1.1 ") == 1
+            status, headers = parse_head(data.partition(b"\r\n\r\n")[0])
+            assert status == 503 and headers.get("connection") == "close" and "retry-after" in headers
+            await holder.send(b"123456789")
+            status, _, body = await read_response(holder)
+            assert status == 200 and json.loads(body) == {"size": 10}
+        assert served.seen == ["/v1/first"]
+
+
+@pytest.mark.parametrize("server", PIPELINING)
+async def test_a_good_request_keeps_the_connection_alive(server: str) -> None:
+    """The close is only for errors: pipelined good requests are all served on one connection."""
+    with serving(make_app(), server) as served:
+        async with connect(served) as stream:
+            await stream.send(request(b"abc", "content-length: 3") + SECOND)
+            buffer = bytearray()
+            first = await read_response(stream, buffer)
+            second = await read_response(stream, buffer)
+        assert first[0] == second[0] == 200 and "connection" not in first[1]
+        assert json.loads(first[2]) == {"size": 3} and json.loads(second[2]) == {"size": 2}
+        assert served.seen == ["/v1/first", "/v1/second"]
