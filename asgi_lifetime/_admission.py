@@ -22,13 +22,15 @@ __all__ = ["Admission", "Ticket"]
 
 
 class _Waiter:
-    __slots__ = ("slots", "nbytes", "event", "granted")
+    __slots__ = ("slots", "nbytes", "event", "granted", "ticket", "evicted")
 
-    def __init__(self, slots: int, nbytes: int) -> None:
+    def __init__(self, slots: int, nbytes: int, ticket: Ticket | None = None) -> None:
         self.slots = slots
         self.nbytes = nbytes
         self.event = anyio.Event()
         self.granted = False
+        self.ticket = ticket  # the admitted request a grow is for
+        self.evicted = False
 
 
 class Admission:
@@ -41,6 +43,8 @@ class Admission:
         self._counters = counters
         self._waiters: deque[_Waiter] = deque()
         self._closed_reason: str | None = None
+        self._admitted = 0  # tickets issued: their order of admission
+        self._charged = 0  # live tickets holding bytes
 
     @property
     def retry_after(self) -> int:
@@ -59,7 +63,10 @@ class Admission:
         """Wait for a slot and ``nbytes`` of budget; raise ``AdmissionRejected`` after the timeout."""
         await self._wait(1, min(nbytes, self.max_inflight_bytes), front=False)
         self._counters.admitted += 1
-        return Ticket(self, min(nbytes, self.max_inflight_bytes))
+        self._admitted += 1
+        ticket = Ticket(self, 0, order=self._admitted)
+        ticket._set(min(nbytes, self.max_inflight_bytes))
+        return ticket
 
     def _fits(self, slots: int, nbytes: int) -> bool:
         c = self._counters
@@ -82,14 +89,28 @@ class Admission:
             self._take(waiter.slots, waiter.nbytes)
             waiter.granted = True
             waiter.event.set()
+        self._break_deadlock()
 
-    async def _wait(self, slots: int, nbytes: int, *, front: bool) -> None:
+    def _break_deadlock(self) -> None:
+        """If every request holding bytes waits for more, none can give any back until a timeout:
+        turn the youngest away now (503), so its bytes let the older ones finish."""
+        if not self._waiters or self._waiters[0].slots or self._charged == 0:
+            return
+        holders = [w for w in self._waiters if w.ticket is not None and w.ticket.nbytes > 0]
+        if len(holders) < self._charged:
+            return  # someone holding bytes is doing something else: it may still give them back
+        victim = max(holders, key=lambda w: w.ticket.order if w.ticket is not None else 0)
+        self._waiters.remove(victim)
+        victim.evicted = True
+        victim.event.set()
+
+    async def _wait(self, slots: int, nbytes: int, *, front: bool, ticket: Ticket | None = None) -> None:
         if self._closed_reason is not None and slots:
             self._reject(self._closed_reason)
         if not self._waiters and self._fits(slots, nbytes):
             self._take(slots, nbytes)
             return
-        waiter = _Waiter(slots, nbytes)
+        waiter = _Waiter(slots, nbytes, ticket)
         if front:
             # Ahead of requests not yet admitted, behind earlier grows (FIFO among those too),
             # and served at once if it fits: nothing else would wake it.
@@ -107,6 +128,8 @@ class Admission:
             # Cancelled while waiting: give back a grant that raced the cancellation.
             self._forget(waiter)
             raise
+        if waiter.evicted:
+            self._reject("server busy: the byte budget is held by requests waiting for each other")
         if not waiter.granted:
             self._forget(waiter)
             self._reject(self._closed_reason or f"server busy: not admitted within {self.timeout:g} seconds")
@@ -126,12 +149,18 @@ class Admission:
 class Ticket:
     """One admitted request's share of the limits."""
 
-    __slots__ = ("_admission", "nbytes", "_released")
+    __slots__ = ("_admission", "nbytes", "order", "_released")
 
-    def __init__(self, admission: Admission, nbytes: int) -> None:
+    def __init__(self, admission: Admission, nbytes: int, *, order: int = 0) -> None:
         self._admission = admission
         self.nbytes = nbytes
+        self.order = order  # older requests are served before younger ones when the budget deadlocks
         self._released = False
+
+    def _set(self, nbytes: int) -> None:
+        """Change the charge the admission knows this ticket by (it counts the tickets holding bytes)."""
+        self._admission._charged += (nbytes > 0) - (self.nbytes > 0)
+        self.nbytes = nbytes
 
     async def grow(self, nbytes: int) -> None:
         """Charge ``nbytes`` more (a body of unknown length as it is read). Waits like admission,
@@ -141,11 +170,11 @@ class Ticket:
         extra = min(nbytes, self._admission.max_inflight_bytes - self.nbytes)
         if extra <= 0:
             return
-        await self._admission._wait(0, extra, front=True)
+        await self._admission._wait(0, extra, front=True, ticket=self)
         if self._released:  # released while this grow waited: the bytes are nobody's to keep
             self._admission._give_back(0, extra)
             return
-        self.nbytes += extra
+        self._set(self.nbytes + extra)
 
     async def grow_to(self, total: int) -> None:
         """Grow the charge to ``total`` bytes if it is below that."""
@@ -156,11 +185,12 @@ class Ticket:
         extra = self.nbytes - max(total, 0)
         if self._released or extra <= 0:
             return
-        self.nbytes -= extra
+        self._set(self.nbytes - extra)
         self._admission._give_back(0, extra)
 
     def release(self) -> None:
         """Give the slot and bytes back (idempotent)."""
         if not self._released:
             self._released = True
+            self._admission._charged -= self.nbytes > 0
             self._admission._give_back(1, self.nbytes)

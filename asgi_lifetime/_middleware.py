@@ -215,16 +215,22 @@ class LifetimeMiddleware:
         admission_wait = time.monotonic() - started
 
         hasher = blake3()
-        raw = await read_body(
-            receive,
-            max_bytes=settings.max_body_bytes,
-            expected_length=length,
-            idle_timeout=settings.body_idle_timeout,
-            body_timeout=settings.body_timeout,
-            content_encoding=encoding,
-            hasher=hasher,
-            on_progress=ticket.grow_to,  # charged before the body grows, raw or decoded
-        )
+        try:
+            raw = await read_body(
+                receive,
+                max_bytes=settings.max_body_bytes,
+                expected_length=length,
+                idle_timeout=settings.body_idle_timeout,
+                body_timeout=settings.body_timeout,
+                content_encoding=encoding,
+                hasher=hasher,
+                on_progress=ticket.grow_to,  # charged before the body grows, raw or decoded
+            )
+        except BaseException:
+            # Nothing of the body is held any more: the slot and bytes go back now, not after the
+            # error response is sent (a server may hold that send while the client still sends).
+            ticket.release()
+            raise
         ticket.shrink_to(len(raw))  # give back the last inflate step's unused reservation
         hold = resources.retain(len(raw))
         parsed: Any = _NOT_PARSED
