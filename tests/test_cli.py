@@ -37,6 +37,7 @@ SECRET = "sk-do-not-print-9f3a1c"
 SAMPLES: dict[str, tuple[str, Any]] = {
     "max_body_bytes": ("32MiB", 32 * MiB),
     "body_idle_timeout": ("12.5", 12.5),
+    "body_timeout": ("120", 120.0),
     "max_inflight": ("3", 3),
     "max_inflight_bytes": ("2GiB", 2 * GiB),
     "admission_timeout": ("0", 0.0),

@@ -25,6 +25,7 @@ def test_defaults() -> None:
     settings = LifetimeSettings()
     assert settings.max_body_bytes == 64 * MiB
     assert settings.body_idle_timeout == 30.0
+    assert settings.body_timeout == 300.0
     assert settings.max_inflight == 64
     assert settings.max_inflight_bytes == 1 * GiB
     assert settings.admission_timeout == 10.0
@@ -127,6 +128,8 @@ def test_size_parsing(key: str, raw: str, expected: int) -> None:
     [
         ("body_idle_timeout", "2.5", 2.5),
         ("body_idle_timeout", "10", 10.0),
+        ("body_timeout", "60", 60.0),
+        ("body_timeout", "0.5", 0.5),
         ("admission_timeout", " 0 ", 0.0),
         ("retry_deadline", "1e2", 100.0),
         ("shutdown_grace", "0.25", 0.25),
@@ -199,6 +202,10 @@ INVALID_STRINGS = [
     ("body_idle_timeout", "nan"),
     ("body_idle_timeout", "inf"),
     ("body_idle_timeout", "soon"),
+    ("body_timeout", "0"),
+    ("body_timeout", "-1"),
+    ("body_timeout", "nan"),
+    ("body_timeout", "inf"),
     ("max_inflight", "0"),
     ("max_inflight", "1.5"),
     ("max_inflight", "many"),
