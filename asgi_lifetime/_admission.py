@@ -2,8 +2,9 @@
 
 A request waits at most ``ADMISSION_TIMEOUT`` for a slot, and as long again each time its
 body needs more of the byte budget (bytes are charged as they arrive or decode, never from a
-declared Content-Length); otherwise it is answered 503 with ``Retry-After``, and what it held
-goes back, so requests stuck mid-body waiting on each other always come unstuck.
+declared Content-Length); otherwise it is answered 503 with ``Retry-After`` and what it held
+goes back. When every request holding bytes is waiting for more, none could give any back
+before a timeout: the youngest is answered 503 at once, so the older ones can finish.
 The ticket it gets is released exactly once, whatever way the request settles (the
 middleware registers ``ticket.release`` with the request's scope).
 """
