@@ -334,3 +334,23 @@ def test_the_scan_is_linear_on_hostile_escapes() -> None:
 
 def test_limits_are_what_the_docs_say() -> None:
     assert _parse.PARSE_RATIO == 8 and parse_limit(0) == PARSE_SLACK == 64 * KiB
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(b"[" * 100_000, id="nested-unclosed"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="nested-closed"),
+        pytest.param(b'{"a":' * 100_000 + b"1" + b"}" * 100_000, id="nested-objects"),
+        pytest.param(b"[" + b"{}," * 200_000 + b"x]", id="syntax-error-at-the-end"),
+        pytest.param(b'{"messages":[' + b"{}," * 200_000, id="truncated"),
+    ],
+)
+@pytest.mark.anyio
+async def test_what_is_not_json_is_a_decode_failure_however_complex(raw: bytes) -> None:
+    async def charge(total: int) -> None:
+        raise AssertionError("charged a body that is not JSON")
+
+    assert len(raw) + parse_cost(raw) > parse_limit(len(raw))  # it would be too complex, were it JSON
+    with pytest.raises(_json.JSONDecodeFailure):
+        await parse_body(raw, charge=charge)
