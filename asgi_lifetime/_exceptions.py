@@ -7,6 +7,7 @@ OpenAI-style JSON body ``{"error": {"type", "code", "message"}}``::
     ├── RequestError                   4xx, the client's request is at fault
     │   ├── BodyAborted                499 client closed before the body completed
     │   ├── BodyTooLarge               413
+    │   │   └── BodyTooComplex         413 body_too_complex: its parse would take too much memory
     │   ├── BodyIdleTimeout            408 no body chunk for BODY_IDLE_TIMEOUT
     │   ├── BodyTimeout                408 body not complete within BODY_TIMEOUT
     │   ├── UnsupportedEncoding        415 Content-Encoding other than identity, gzip, deflate
@@ -35,6 +36,7 @@ __all__ = [
     "BodyAborted",
     "BodyIdleTimeout",
     "BodyTimeout",
+    "BodyTooComplex",
     "BodyTooLarge",
     "LifetimeError",
     "MalformedBody",
@@ -109,6 +111,26 @@ class BodyTooLarge(RequestError):
     def __init__(self, limit: int, *, code: str | None = None) -> None:
         super().__init__(f"request body exceeds the limit of {limit} bytes", code=code)
         self.limit = limit
+
+
+class BodyTooComplex(BodyTooLarge):
+    """The body is within the size limit, but parsing it would take too much memory.
+
+    Each JSON value becomes a Python object of 24-200 bytes: a body made of many tiny values
+    (``[{},{},...]``) would multiply its size when parsed. Nothing is forwarded.
+    """
+
+    code = "body_too_complex"
+
+    def __init__(self, size: int, cost: int, *, code: str | None = None) -> None:
+        RequestError.__init__(
+            self,
+            f"request body of {size} bytes is too complex: parsing it would take about {cost} bytes of memory;"
+            " send fewer, larger JSON values",
+            code=code,
+        )
+        self.limit = size
+        self.cost = cost
 
 
 class BodyIdleTimeout(RequestError):

@@ -11,9 +11,13 @@ The codec is msgspec, with the standard library behind it for what msgspec refus
 docs/benchmarks.md has the numbers. The results are the same Python values and valid JSON
 as the standard library's. Where msgspec refuses a document the standard library accepts
 (``NaN``, ``Infinity``, ``1e400``, lone surrogate escapes such as ``"\\ud800"``), ``loads``
-parses it again with the standard library, so such a body is accepted as before; its
-non-finite numbers are kept as ``_NonFinite`` floats, which msgspec refuses to write, so
+parses it again with the standard library, so such a body is accepted as before; a plain
+syntax error is not parsed twice (``loads_fast`` tells the two apart, ``StdlibMayAccept``).
+Non-finite numbers are kept as ``_NonFinite`` floats, which msgspec refuses to write, so
 ``dumps`` writes them (through the standard library) as they came: ``NaN``, ``Infinity``.
+A lone surrogate has no UTF-8 form: ``dumps`` writes it as the escape it came as
+(``"\\ud800"``), so a rewritten body says what the received one said (RFC 8259 section 8.2
+leaves such strings to the receiver: the upstream decides, as it does for an unchanged body).
 ``dumps`` also falls back for values msgspec cannot write (``True`` or ``None`` as a dict
 key, ``str``/``float`` subclasses) and for a non-finite float anywhere in the value (msgspec
 would write ``null``; a walk over the containers finds one, about a sixth of the cost of
@@ -32,12 +36,22 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
-__all__ = ["JSONDecodeFailure", "dumps", "dumps_consuming", "loads"]
+__all__ = [
+    "JSONDecodeFailure",
+    "StdlibMayAccept",
+    "check_syntax",
+    "dumps",
+    "dumps_consuming",
+    "loads",
+    "loads_fast",
+    "loads_stdlib",
+]
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -66,19 +80,85 @@ def loads(raw: bytes) -> Any:
     """Parse a JSON document from UTF-8 bytes.
 
     Raises ``JSONDecodeFailure`` for invalid JSON, invalid UTF-8 and nesting deep enough
-    to exhaust the recursion limit (hostile input must not crash the caller).
+    to exhaust the recursion limit (hostile input must not crash the caller). The standard
+    library parses again only what msgspec refused for a reason it does not share.
     """
     try:
+        return loads_fast(raw)
+    except StdlibMayAccept:
+        return loads_stdlib(raw)
+
+
+class StdlibMayAccept(JSONDecodeFailure):
+    """msgspec refused the document for a reason the standard library does not share."""
+
+
+def loads_fast(raw: bytes) -> Any:
+    """``loads`` without the standard library's second pass: ``StdlibMayAccept`` says it would be worth it."""
+    try:
         return _decoder.decode(raw)
-    except (msgspec.DecodeError, RecursionError):  # ValidationError ("1e400") is a DecodeError
-        pass
-    # What msgspec refused, the standard library may still accept (see the module docstring).
-    # Only bodies that are invalid or use those extensions take this second pass.
+    except msgspec.ValidationError:  # "Number out of range" ("1e400"), "Integer value out of range"
+        second = True
+    except msgspec.DecodeError as exc:
+        second = _stdlib_may_accept(raw, str(exc))
+    except RecursionError:
+        second = False
+    if second:
+        raise StdlibMayAccept("request body is not valid JSON for msgspec")
+    raise JSONDecodeFailure("request body is not valid JSON")
+
+
+_skimmer = msgspec.json.Decoder(msgspec.Raw)
+
+
+def check_syntax(raw: bytes) -> None:
+    """Raise ``JSONDecodeFailure`` if ``raw`` is not JSON (syntax, nesting); builds no objects.
+
+    msgspec skims the document into a ``Raw`` (a view of ``raw``): what its parse refuses,
+    except what the standard library may accept, is refused here, in a few ms per MiB.
+    UTF-8 inside strings is not checked.
+    """
+    try:
+        _skimmer.decode(raw)
+    except msgspec.DecodeError as exc:
+        if not _stdlib_may_accept(raw, str(exc)):
+            raise JSONDecodeFailure("request body is not valid JSON") from None
+    except RecursionError:
+        raise JSONDecodeFailure("request body is not valid JSON: nested too deeply") from None
+
+
+def loads_stdlib(raw: bytes) -> Any:
+    """The standard library's parse (``NaN``, ``Infinity``, huge numbers, lone surrogate escapes).
+
+    Its working set is ``_parse.stdlib_extra`` more than ``_parse.parse_cost(raw)``: the decoded ``str``.
+    """
     try:
         # Decode explicitly: json.loads(bytes) would also accept UTF-16/32 by sniffing.
         return json.loads(raw.decode("utf-8"), parse_constant=_parse_constant, parse_float=_parse_float)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise JSONDecodeFailure(f"request body is not valid JSON: {type(exc).__name__}") from None
+
+
+_AT_BYTE: Final = re.compile(r"\(byte (\d+)\)")
+_SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89abAB]")
+
+
+def _stdlib_may_accept(raw: bytes, message: str) -> bool:
+    """Whether msgspec's ``DecodeError`` is about something the standard library parses.
+
+    Those are ``NaN`` / ``Infinity`` (an invalid character ``N`` or ``I``) and lone surrogate
+    escapes (msgspec says "invalid utf-16 surrogate pair", or "truncated" when the string
+    ends right after one). A plain syntax error, bad UTF-8, or a truncated body without a
+    surrogate escape is not parsed twice.
+    """
+    if "surrogate" in message:
+        return True
+    if "truncated" in message:
+        return _SURROGATE_ESCAPE.search(raw) is not None
+    if "invalid character" in message:
+        found = _AT_BYTE.search(message)
+        return found is not None and raw[int(found.group(1)) : int(found.group(1)) + 1] in (b"N", b"I")
+    return False
 
 
 def _has_non_finite(value: Any) -> bool:
@@ -103,9 +183,12 @@ def dumps(value: Any) -> bytes:
     if not _has_non_finite(value):
         try:
             return _encoder.encode(value)
-        except TypeError:
+        except (TypeError, UnicodeEncodeError):  # a type msgspec cannot write, a lone surrogate
             pass
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    # A lone surrogate (from a "\\ud800" escape) has no UTF-8 form: "backslashreplace" writes it
+    # back as the same JSON escape. Outside strings json.dumps writes ASCII only, so nothing
+    # else can be replaced.
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
 def _holds(value: Any, target: object) -> bool:

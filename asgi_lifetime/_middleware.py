@@ -15,6 +15,7 @@ from ._admission import Admission
 from ._body import parse_content_length, read_body
 from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTimeout, BodyTooLarge, LifetimeError
 from ._fingerprint import Fingerprint, fingerprint
+from ._parse import offload, parse_body
 from ._scope import RequestScope, Resource
 from ._settings import LifetimeSettings
 from ._stats import Counters, LifetimeStats
@@ -236,10 +237,13 @@ class LifetimeMiddleware:
         parsed: Any = _NOT_PARSED
         if _is_json(headers):
             try:
-                parsed = _json.loads(raw)
+                # Refuses (413) a body whose parse would be too large; charges the ticket for the parse.
+                parsed = await parse_body(raw, charge=ticket.grow_to)
             except _json.JSONDecodeFailure:
                 pass
-        fp = fingerprint(raw, parsed=None if parsed is _NOT_PARSED else parsed, wire_hash=hasher.hexdigest())
+        digest = hasher.hexdigest()
+        first = None if parsed is _NOT_PARSED else parsed
+        fp = await offload(len(raw), lambda: fingerprint(raw, parsed=first, wire_hash=digest))
         state = RequestLifetime(fp, admission_wait=admission_wait, resources=resources)
         if self.handoff_parsed and parsed is not _NOT_PARSED:
             state._parsed = parsed

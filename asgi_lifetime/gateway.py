@@ -32,6 +32,7 @@ from starlette.routing import Route
 from ._access_log import AccessLog
 from ._auth import GatewayAuth
 from ._bookkeeping import Bookkeeper, SessionBook
+from ._exceptions import LifetimeError
 from ._gateway import Forwarder
 from ._metrics import GatewayMetrics, make_metrics_route
 from ._middleware import Lifetime, LifetimeMiddleware
@@ -109,6 +110,12 @@ def create_app(
         error = {"type": "invalid_request_error", "code": code, "message": f"{message}: {request.url.path}"}
         return JSONResponse({"error": error}, status_code=status)
 
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # The last resort (Starlette's ServerErrorMiddleware calls it, then re-raises for the server
+        # to log too): an OpenAI-style JSON 500 that says nothing of the exception, which is logged.
+        logger.error("unexpected %s serving %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+        return Response(LifetimeError("internal error").json_body(), status_code=500, media_type="application/json")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -140,7 +147,7 @@ def create_app(
             Middleware(GatewayAuth, gateway_keys=settings.gateway_keys, upstream_api_key=settings.upstream_api_key),
             Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=True),
         ],
-        exception_handlers={HTTPException: http_error},
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
     app.state.lifetime = lifetime

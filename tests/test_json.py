@@ -118,8 +118,6 @@ def test_dumps_of_str_subclass_falls_back() -> None:
 def test_dumps_refuses_what_cannot_be_encoded() -> None:
     with pytest.raises(TypeError):
         _json.dumps({"k": object()})
-    with pytest.raises(UnicodeEncodeError):
-        _json.dumps("\ud800")
 
 
 class _Name(str):
@@ -182,9 +180,46 @@ def test_dumps_consuming_leaves_the_list_when_it_fails_or_is_shared() -> None:
     with pytest.raises(TypeError):
         _json.dumps_consuming(doc, "messages")
     assert doc["messages"][0] == {"a": 1} and len(doc["messages"]) == 2  # the written item was put back
-    with pytest.raises(UnicodeEncodeError):
-        _json.dumps_consuming({"messages": [{"a": 1}, "\ud800"]}, "messages")
+    surrogate: dict[str, Any] = {"messages": [{"a": 1}, "\ud800"]}
+    assert _json.dumps_consuming(surrogate, "messages") == b'{"messages":[{"a":1},"\\ud800"]}'
+    assert surrogate["messages"] == [{"a": 1}, "\ud800"]  # written by dumps, whole
     shared = [{"a": 1}]
     doc = {"messages": shared, "copy": {"of": shared}}
     assert _json.dumps_consuming(doc, "messages") == b'{"messages":[{"a":1}],"copy":{"of":[{"a":1}]}}'
     assert shared == [{"a": 1}]
+
+
+# --- lone surrogates: accepted, and written back as the escapes they came as -----------------------
+
+SURROGATE_BODIES = [
+    b'{"messages":[{"role":"user","content":"a \\ud800 b"}]}',
+    b'{"messages":[{"role":"user","content":"\\udfff"}],"t":NaN}',
+    b'{"k\\udbff":["\\udc00x",{"\\ud83d":1e400}],"messages":[]}',
+    b'["\\ud83d\\ude00 a pair is fine", "\\ud83d alone is not"]',
+]
+
+
+@pytest.mark.parametrize("raw", SURROGATE_BODIES)
+def test_dumps_writes_a_lone_surrogate_as_its_escape(raw: bytes) -> None:
+    parsed = _json.loads(raw)
+    written = _json.dumps(parsed)
+    written.decode("utf-8")  # valid UTF-8: no surrogate was encoded
+    assert _same(_stdlib(written.replace(b"NaN", b'"nan"')), _stdlib(raw.replace(b"NaN", b'"nan"')))
+    assert _same(_json.loads(written), parsed)
+
+
+@pytest.mark.parametrize("raw", [r for r in SURROGATE_BODIES if r.startswith(b'{"messages"')])
+def test_dumps_consuming_writes_a_lone_surrogate_as_its_escape(raw: bytes) -> None:
+    doc = _json.loads(raw)
+    expected = _json.dumps(doc)
+    assert _json.dumps_consuming(doc, "messages") == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["\ud800", {"\udfff": "x"}, ["ok", {"nested": ["\udc00 tail"]}], {"f": math.nan, "s": "\ud800"}],
+)
+def test_dumps_never_raises_for_a_surrogate_a_preparer_wrote(value: Any) -> None:
+    written = _json.dumps(value)
+    written.decode("utf-8")
+    assert b"\\ud" in written
