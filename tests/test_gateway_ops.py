@@ -3,9 +3,11 @@ that leaves while retries are still running."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ from asgi_lifetime._demo_upstream import create_demo_upstream
 from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime._shutdown import request_shutdown, reset_shutdown
 from asgi_lifetime.gateway import create_app
+from tests.test_faults import assert_idle, running
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -214,3 +217,77 @@ def test_draining_ends_streams_after_the_grace_and_refuses_new_requests(shutdown
             while not app.state.lifetime.stats().idle and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert app.state.lifetime.stats().idle
+
+
+# --- client-chosen session ids are bounded and kept only as a digest ----------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("limit", "length", "accepted"),
+    [(None, 256, True), (None, 257, False), (None, 60 * 1024, False), (16, 16, True), (16, 17, False)],
+)
+async def test_a_session_id_over_the_limit_is_a_400(limit: int | None, length: int, accepted: bool) -> None:
+    seen: list[httpx.Request] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return completion(request)
+
+    changes = {} if limit is None else {"max_session_id_bytes": limit}
+    app = create_app(settings(**changes), transport=httpx.MockTransport(upstream))
+    session = "s" * length
+    async with client_for(app) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": session})
+    if accepted:
+        assert response.status_code == 200
+        assert len(seen) == 1 and seen[0].headers["x-session-id"] == session
+        assert session in app.state.book
+    else:
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "session_id_too_long"
+        assert f"{length} bytes" in error["message"] and session not in response.text
+        assert seen == [] and len(app.state.book) == 0
+    assert app.state.lifetime.stats().idle
+
+
+def test_session_id_limit_is_a_validated_setting() -> None:
+    assert LifetimeSettings().max_session_id_bytes == 256
+    assert LifetimeSettings.from_mapping({"MAX_SESSION_ID_BYTES": "1KiB"}).max_session_id_bytes == 1024
+    for bad in ("0", "-1", "lots"):
+        with pytest.raises(ValueError, match="ASGI_LIFETIME_MAX_SESSION_ID_BYTES"):
+            LifetimeSettings.from_mapping({"MAX_SESSION_ID_BYTES": bad})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("body", [b"{not json", json.dumps(CHAT).encode()], ids=["invalid", "valid"])
+async def test_unique_long_session_ids_leave_nothing_behind(body: bytes) -> None:
+    # Each request carries its own 32 KiB session id. Kept whole, 400 of them stayed behind
+    # (12.5 MiB); keyed by a 16-byte digest, what stays is a small entry per session.
+    count, length = 400, 32 * 1024
+    big_headers = {"h11_max_incomplete_event_size": 256 * 1024}
+    with running(max_session_id_bytes=64 * 1024, serve=big_headers) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+
+            async def send(i: int) -> int:
+                session = f"{i:08d}".ljust(length, "x")
+                headers = {"x-session-id": session, "content-type": "application/json"}
+                return (await client.post("/v1/chat/completions", content=body, headers=headers)).status_code
+
+            for i in range(10):  # warm up: connection pools, caches, lazily built objects
+                await send(-i - 1)
+            await assert_idle(stack.app, stack.url)
+            gc.collect()
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                statuses = {await send(i) for i in range(count)}
+                await assert_idle(stack.app, stack.url)
+                gc.collect()
+                grown = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+    assert statuses == ({400} if body.startswith(b"{not") else {200})
+    assert len(stack.app.state.book) == count + 10
+    assert grown < 2 * 1024 * 1024, f"{grown / 1024:.0f} KiB left after {count} requests of {length} byte ids"
