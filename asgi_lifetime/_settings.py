@@ -128,7 +128,7 @@ def _path_prefixes(value: Any) -> str | None:
 
 def _urls(value: Any) -> str | None:
     bad = [u for u in value if not re.match(r"^https?://[^\s/]+", u)]
-    return f"each upstream must be an http:// or https:// URL ({bad[0]!r} is not)" if bad else None
+    return f"each upstream must be an http:// or https:// URL ({redact_url(bad[0])!r} is not)" if bad else None
 
 
 def _header_name(value: Any) -> str | None:
