@@ -511,3 +511,17 @@ def test_multiprocess_across_processes(make_metrics: Callable[..., GatewayMetric
     assert series(s, "upstream_down") == {lbl(upstream=A): 0}
     assert value(s, "admitted_total") == 8  # its totals stay
     assert value(s, "requests_total", status="200", upstream=A, outcome="complete") == 3
+
+
+@pytest.mark.parametrize("name", ["gauge_livesum_99999.db", "counter_99999.db", "histogram_99998.db"])
+def test_a_scrape_skips_a_file_another_process_is_creating(
+    make_metrics: Callable[..., GatewayMetrics], multiproc_dir: Path, name: str
+) -> None:
+    # Another worker's sync thread opened this file and has not sized it yet (prometheus_client
+    # creates it empty, then truncates it to its initial size): the scrape must not fail on it.
+    counters = Counters()
+    counters.admitted = 2
+    metrics = make_metrics(counters)
+    (multiproc_dir / name).touch()
+    s = parse(metrics.render()[0])
+    assert value(s, "admitted_total") == 2
