@@ -120,7 +120,7 @@ class _Settle:
     so a client that reads ``/lifetime/stats`` right after its response sees the request settled.
     """
 
-    __slots__ = ("_lifetime", "_resources", "_counters", "_send", "_settled")
+    __slots__ = ("_lifetime", "_resources", "_counters", "_send", "_settled", "_counted")
 
     def __init__(self, lifetime: RequestLifetime, resources: RequestScope, counters: Counters, send: Send) -> None:
         self._lifetime = lifetime
@@ -128,12 +128,20 @@ class _Settle:
         self._counters = counters
         self._send = send
         self._settled = False
+        self._counted = False
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.body" and not message.get("more_body", False) and not self._settled:
             await self.settle()
-            self._counters.completed += 1
+            self.count_completed()
         await self._send(message)
+
+    def count_completed(self) -> None:
+        """Count the request as completed (once): at its final message, or when the app returns
+        normally without one (a response it chose to cut short)."""
+        if not self._counted:
+            self._counted = True
+            self._counters.completed += 1
 
     async def settle(self) -> None:
         """Release what the request holds (idempotent)."""
@@ -221,6 +229,7 @@ class LifetimeMiddleware:
             settle = _Settle(inner_scope["state"]["lifetime"], resources, counters, send)
             try:
                 await self.app(inner_scope, replay, settle.send)
+                settle.count_completed()
             finally:
                 # Paths that never sent a final body message (an error, a disconnect, a
                 # cancellation) settle here; the RequestScope's exit releases the rest.

@@ -651,4 +651,4 @@ async def test_paths_without_a_final_body_message_still_release_everything(endin
         await call
     stats = middleware.stats()
     assert stats.idle, stats
-    assert stats.completed == 0
+    assert stats.completed == (1 if ending in ("returns_without_final", "no_response") else 0)  # returned normally
