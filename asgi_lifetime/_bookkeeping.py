@@ -33,11 +33,21 @@ from dataclasses import dataclass
 from typing import Final, Protocol, runtime_checkable
 
 import anyio
+from blake3 import blake3
 
 from ._fingerprint import Fingerprint
 from ._stats import Counters
 
-__all__ = ["OUTCOMES", "Bookkeeper", "Outcome", "SessionBook", "SessionEntry", "record_outcome"]
+__all__ = [
+    "OUTCOMES",
+    "SESSION_KEY_BYTES",
+    "Bookkeeper",
+    "Outcome",
+    "SessionBook",
+    "SessionEntry",
+    "record_outcome",
+    "session_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +55,19 @@ OUTCOMES: Final = frozenset(
     {"complete", "client_disconnected", "stalled", "starved", "upstream_error", "shutdown", "error"}
 )
 """The values ``Outcome.outcome`` may take."""
+
+SESSION_KEY_BYTES: Final = 16
+"""Size of the digest the book keys sessions by (128 bits: collisions are not a practical concern)."""
+
+
+def session_key(session_id: str) -> bytes:
+    """The fixed-size key a session is kept under: 16 bytes of the id's blake3 digest.
+
+    The id is chosen by the client; keeping it whole would let each request leave as many bytes
+    behind as its header carried, for as long as the book remembers the session.
+    """
+    return blake3(session_id.encode("utf-8", "surrogatepass")).digest(length=SESSION_KEY_BYTES)
+
 
 # A user bookkeeper that awaits is bounded (and shielded, so a cancelled request is still
 # recorded): a wedged bookkeeper must not hold the response open.
@@ -154,16 +177,16 @@ class SessionEntry:
 class _Unpin:
     """The idempotent release returned by ``SessionBook.pin``."""
 
-    __slots__ = ("_book", "_session_id")
+    __slots__ = ("_book", "_key")
 
-    def __init__(self, book: SessionBook, session_id: str) -> None:
+    def __init__(self, book: SessionBook, key: bytes) -> None:
         self._book: SessionBook | None = book
-        self._session_id = session_id
+        self._key = key
 
     def __call__(self) -> None:
         book, self._book = self._book, None
         if book is not None:
-            book._unpin(self._session_id)
+            book._unpin(self._key)
 
 
 class SessionBook:
@@ -193,6 +216,8 @@ class SessionBook:
       ``pin``, -1 per first call of its unpin), so it returns to 0 exactly when every
       request has released. ``pinned`` counts distinct pinned session ids.
     - ``get`` is a peek: it does not refresh recency. ``pin`` does.
+    - Entries and pins are keyed by ``session_key(session_id)``, a 16-byte digest: the book never
+      keeps a client's id itself, so what it holds per session does not grow with the id's length.
     """
 
     __slots__ = ("_max_sessions", "_counters", "_on_change", "_entries", "_pins", "recomputations")
@@ -209,8 +234,8 @@ class SessionBook:
         self._max_sessions = max_sessions
         self._counters = counters if counters is not None else Counters()
         self._on_change = on_change
-        self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
-        self._pins: dict[str, int] = {}
+        self._entries: OrderedDict[bytes, SessionEntry] = OrderedDict()
+        self._pins: dict[bytes, int] = {}
         self.recomputations = 0
 
     @property
@@ -226,27 +251,28 @@ class SessionBook:
         return len(self._entries)
 
     def __contains__(self, session_id: object) -> bool:
-        return session_id in self._entries
+        return isinstance(session_id, str) and session_key(session_id) in self._entries
 
     def get(self, session_id: str) -> SessionEntry | None:
         """The session's entry, or ``None``. Does not refresh recency."""
-        return self._entries.get(session_id)
+        return self._entries.get(session_key(session_id))
 
     def pin(self, session_id: str) -> Callable[[], None]:
         """Pin ``session_id`` for one request; returns its idempotent unpin."""
-        self._pins[session_id] = self._pins.get(session_id, 0) + 1
+        key = session_key(session_id)
+        self._pins[key] = self._pins.get(key, 0) + 1
         self._counters.pinned_sessions += 1
-        if session_id in self._entries:
-            self._entries.move_to_end(session_id)
-        return _Unpin(self, session_id)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+        return _Unpin(self, key)
 
-    def _unpin(self, session_id: str) -> None:
+    def _unpin(self, key: bytes) -> None:
         self._counters.pinned_sessions -= 1
-        remaining = self._pins[session_id] - 1
+        remaining = self._pins[key] - 1
         if remaining:
-            self._pins[session_id] = remaining
+            self._pins[key] = remaining
         else:
-            del self._pins[session_id]
+            del self._pins[key]
             self._evict()
 
     def record(self, outcome: Outcome) -> None:
@@ -254,19 +280,20 @@ class SessionBook:
         if session_id is None:
             return
         fp = outcome.fingerprint
-        entry = self._entries.get(session_id)
+        key = session_key(session_id)
+        entry = self._entries.get(key)
         if entry is None:
             entry = SessionEntry(wire_hash=fp.wire_hash, text_comparable=fp.text_comparable, size=fp.size)
-            self._entries[session_id] = entry
+            self._entries[key] = entry
         else:
             entry.wire_hash, entry.text_comparable, entry.size = fp.wire_hash, fp.text_comparable, fp.size
-            self._entries.move_to_end(session_id)
+            self._entries.move_to_end(key)
         entry.requests += 1
         entry.bytes_out += outcome.bytes_out
         entry.last_status = outcome.status
         entry.last_outcome = outcome.outcome
         entry.last_seen = outcome.ended
-        self._evict(keep=session_id)
+        self._evict(keep=key)
         if entry.synced_hash == fp.wire_hash:
             return
         self.recomputations += 1
@@ -274,7 +301,7 @@ class SessionBook:
             self._on_change(session_id, fp)
         entry.synced_hash = fp.wire_hash
 
-    def _evict(self, keep: str | None = None) -> None:
+    def _evict(self, keep: bytes | None = None) -> None:
         """Drop least recently used unpinned entries down to ``max_sessions``, as far as pins allow.
 
         ``keep``, the session just recorded, is never the victim: the most recently used
@@ -283,11 +310,11 @@ class SessionBook:
         excess = len(self._entries) - self._max_sessions
         if excess <= 0:
             return
-        victims: list[str] = []
-        for session_id in self._entries:
-            if session_id not in self._pins and session_id != keep:
-                victims.append(session_id)
+        victims: list[bytes] = []
+        for key in self._entries:
+            if key not in self._pins and key != keep:
+                victims.append(key)
                 if len(victims) == excess:
                     break
-        for session_id in victims:
-            del self._entries[session_id]
+        for key in victims:
+            del self._entries[key]

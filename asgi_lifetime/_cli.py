@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import inspect
 import logging
 import math
@@ -24,13 +25,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import fields
 from types import FrameType
 from typing import Any, NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import uvicorn
+from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
 from uvicorn.supervisors import Multiprocess, multiprocess
 
 from . import __version__
@@ -49,6 +51,7 @@ from ._settings import (
     _parse_list,
     _parse_size,
     collect_environ,
+    redact_url,
 )
 from ._shutdown import request_shutdown
 
@@ -65,6 +68,8 @@ __all__ = [
     "settings_markdown",
     "settings_report",
 ]
+
+logger = logging.getLogger(__name__)
 
 PROG = "asgi-lifetime"
 GATEWAY_FACTORY = "asgi_lifetime.gateway:create_app"
@@ -94,8 +99,9 @@ _SERVE_EPILOG = """\
 With UPSTREAM_API_KEY set, clients must present one of GATEWAY_KEYS; without
 GATEWAY_KEYS the gateway only starts on a loopback host. Without an upstream it
 serves a built-in DEMO upstream (lorem ipsum, not a real model).
-SIGTERM/SIGINT: stop admitting, let streams finish for up to SHUTDOWN_GRACE
-seconds, then exit 0."""
+SIGTERM: keep accepting for DRAIN_DELAY seconds while /healthz answers 503
+"draining" and new requests get 503 with Retry-After, then stop listening; streams
+in flight get SHUTDOWN_GRACE more seconds, then exit 0. SIGINT skips DRAIN_DELAY."""
 
 
 class CommandError(Exception):
@@ -147,15 +153,6 @@ def format_value(spec: SettingSpec, value: Any) -> str:
         items = [redact_url(v) for v in value] if spec.name == "upstream_url" else list(value)
         return ",".join(items) if items else "(none)"
     return "(unset)" if value is None else str(value)
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), for output."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username}:***@{parts.netloc.rpartition('@')[2]}"
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _env_text(value: Any) -> str:
@@ -250,7 +247,9 @@ def _with_source(message: str, sources: Mapping[str, str]) -> str:
 def export_environ(settings: LifetimeSettings, environ: MutableMapping[str, str]) -> None:
     """Write every setting as ``ASGI_LIFETIME_<NAME>``, for ``create_app()`` in the worker processes."""
     for name, spec in SETTINGS.items():
-        environ[spec.env] = _env_text(getattr(settings, name))
+        # The workers split the user info off again when they build their settings.
+        value = settings.upstream_urls_with_userinfo() if name == "upstream_url" else getattr(settings, name)
+        environ[spec.env] = _env_text(value)
 
 
 def refusal(settings: LifetimeSettings, host: str) -> str | None:
@@ -274,10 +273,14 @@ def refusal(settings: LifetimeSettings, host: str) -> str | None:
 
 def settings_report(settings: LifetimeSettings, sources: Mapping[str, str]) -> str:
     """One line per setting: ENV name, value (secrets masked), source."""
-    rows = [(spec.env, format_value(spec, getattr(settings, name)), sources[name]) for name, spec in SETTINGS.items()]
+    rows = [(spec.env, format_value(spec, _shown(settings, name)), sources[name]) for name, spec in SETTINGS.items()]
     name_width = max(len(env) for env, _, _ in rows)
     value_width = min(40, max(len(value) for _, value, _ in rows))
     return "\n".join(f"{env:<{name_width}}  {value:<{value_width}}  {source}" for env, value, source in rows)
+
+
+def _shown(settings: LifetimeSettings, name: str) -> Any:
+    return settings.shown_upstream_urls() if name == "upstream_url" else getattr(settings, name)
 
 
 def settings_markdown() -> str:
@@ -305,11 +308,51 @@ def _cmd_settings(args: argparse.Namespace) -> int:
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn's server, telling the gateway to drain the moment a stop signal arrives."""
+    """uvicorn's server, telling the gateway to drain the moment a stop signal arrives.
+
+    On SIGTERM it keeps listening for ``DRAIN_DELAY`` seconds first: load balancers see
+    ``/healthz`` answer 503 ``draining`` and new requests get 503 with ``Retry-After``, while
+    in-flight streams go on. Then uvicorn stops listening and shuts down as usual. SIGINT (an
+    interactive stop) and a second SIGTERM skip the delay.
+    """
+
+    def __init__(self, config: uvicorn.Config, *, drain_delay: float | None = None) -> None:
+        super().__init__(config)
+        self.drain_delay = _drain_delay_from_environ() if drain_delay is None else drain_delay
+        self._drain_until: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.drain_delay > 0 and self._drain_until is None and not self.should_exit:
+            request_shutdown(stop_listening_in=self.drain_delay)
+            self._drain_until = time.monotonic() + self.drain_delay
+            logger.warning("SIGTERM: draining for %gs before the server stops listening", self.drain_delay)
+            return  # on_tick stops the server when the delay is over
         request_shutdown()
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_until is not None and time.monotonic() >= self._drain_until:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def _drain_delay_from_environ() -> float:
+    """``DRAIN_DELAY`` as ``serve`` exported it (worker processes build their server from the environment)."""
+    raw = os.environ.get(SETTINGS["drain_delay"].env)
+    return LifetimeSettings.from_mapping({"drain_delay": raw}).drain_delay if raw else _DEFAULTS["drain_delay"]
+
+
+def _log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging setup, plus the package's loggers (its access log is the only one).
+
+    uvicorn's access log is off (it writes query strings, where keys travel: ``?key=...``).
+    httpx and httpcore log every upstream request URL at INFO/DEBUG: WARNING and up only.
+    """
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["asgi_lifetime"] = {"handlers": ["default"], "level": LOG_LEVELS[level], "propagate": False}
+    for name in ("httpx", "httpcore"):
+        config["loggers"][name] = {"handlers": ["default"], "level": "WARNING", "propagate": False}
+    return config
 
 
 class _WorkerProcess(multiprocess.Process):
@@ -398,13 +441,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 port=args.port,
                 workers=args.workers,
                 log_level=args.log_level,
+                log_config=_log_config(args.log_level),
+                access_log=False,  # the gateway's own access log (asgi_lifetime.access) never writes queries
                 proxy_headers=args.proxy_headers,
                 forwarded_allow_ips=args.forwarded_allow_ips,
                 timeout_keep_alive=args.timeout_keep_alive,
                 timeout_graceful_shutdown=math.ceil(effective.shutdown_grace + SHUTDOWN_BACKSTOP),
                 lifespan="on",
             )
-            upstreams = ", ".join(redact_url(url) for url in effective.upstream_url)
+            upstreams = ", ".join(effective.shown_upstream_urls())
             paths = ", ".join(effective.paths)
             workers = f"{args.workers} worker{'s' if args.workers != 1 else ''}"
             print(f"{PROG} {__version__}: forwarding {paths} to {upstreams} ({workers})", file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from ._bookkeeping import Bookkeeper, Outcome, SessionBook, record_outcome
-from ._exceptions import LifetimeError, MalformedBody
+from ._exceptions import LifetimeError, MalformedBody, RequestError
 from ._memory import trim_after_large_request
 from ._middleware import Lifetime, RequestLifetime, send_error
 from ._prepare import Prepared, Preparer, prepare
@@ -88,13 +88,13 @@ class Forwarder:
         state: RequestLifetime = scope["state"]["lifetime"]
         resources = state.resources
         started = time.monotonic()
-        session_id = self._session_id(scope)
-        if session_id is not None:
-            resources.add(self.book.pin(session_id))
-
+        session_id: str | None = None
         status, outcome, bytes_out, first_byte_at = 0, "error", 0, None
         attempts, upstream_url = 0, None
         try:
+            session_id = self._session_id(scope)
+            if session_id is not None:
+                resources.add(self.book.pin(session_id))
             prepared, held = await self._prepare(scope, receive, state, session_id)
             try:
                 response = await self._forward(prepared, held, receive, session_id)
@@ -220,9 +220,17 @@ class Forwarder:
         return prepared, held
 
     def _session_id(self, scope: Scope) -> str | None:
+        """The client's session id; too long an id is refused (400) before anything keys by it."""
         for key, value in scope["headers"]:
             if key == self._session_header:
-                return value.decode("latin-1").strip() or None
+                value = value.strip()
+                if len(value) > self.settings.max_session_id_bytes:
+                    raise RequestError(
+                        f"the {self.settings.session_header} header is {len(value)} bytes long; "
+                        f"at most {self.settings.max_session_id_bytes} are accepted",
+                        code="session_id_too_long",
+                    )
+                return value.decode("latin-1") or None
         return None
 
 

@@ -64,7 +64,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, cast
 
 import anyio.to_thread
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -472,6 +472,37 @@ def _remove_dead_processes(directory: str) -> None:
                 pass  # another worker removed them first
 
 
+class _SharedFilesCollector(MultiProcessCollector):
+    """prometheus_client's collector, minus the files another process is creating this instant.
+
+    A worker creates a metric's file when it first writes to it (its sync thread does, at any
+    time): the file exists, empty, until that worker sizes it. Reading it then raised
+    ``struct.error`` and the whole scrape failed. An empty file holds no values yet: skip it.
+    A file removed between listing and reading (a dead worker's, by another worker) is retried.
+    """
+
+    def __init__(self, registry: CollectorRegistry, directory: str) -> None:
+        super().__init__(registry, path=directory)  # type: ignore[no-untyped-call]
+        self._directory = directory
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            return self._merge()
+        except FileNotFoundError:  # removed after it was listed: list again
+            return self._merge()
+
+    def _merge(self) -> Iterable[Metric]:
+        files = [path for path in glob.glob(os.path.join(glob.escape(self._directory), "*.db")) if _sized(path)]
+        return cast(Iterable[Metric], self.merge(files, accumulate=True))  # type: ignore[no-untyped-call]
+
+
+def _sized(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
+
+
 def _retire(process: _Process, source: _Source) -> None:
     try:
         process.retire(source)
@@ -529,7 +560,7 @@ class GatewayMetrics:
         self._directory = directory
         self._labels = process.labels
         self._metrics = process.metrics
-        MultiProcessCollector(self.registry, path=directory)  # type: ignore[no-untyped-call]
+        _SharedFilesCollector(self.registry, directory)
         source = _Source(counters, describe_upstreams)
         process.add(source, float(sync_interval))
         # Final totals and gauges out at close(), garbage collection or interpreter exit.

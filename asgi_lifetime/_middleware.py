@@ -114,6 +114,46 @@ class _Replay:
         return {"type": "http.request", "body": body, "more_body": False}
 
 
+class _Settle:
+    """Settles one request the moment its response is complete, before the server sees the end.
+
+    The final ``http.response.body`` (``more_body`` false) is passed on only after admission,
+    pins, retained bytes and every other resource are released and ``completed`` is counted,
+    so a client that reads ``/lifetime/stats`` right after its response sees the request settled.
+    """
+
+    __slots__ = ("_lifetime", "_resources", "_counters", "_send", "_settled", "_counted")
+
+    def __init__(self, lifetime: RequestLifetime, resources: RequestScope, counters: Counters, send: Send) -> None:
+        self._lifetime = lifetime
+        self._resources = resources
+        self._counters = counters
+        self._send = send
+        self._settled = False
+        self._counted = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False) and not self._settled:
+            await self.settle()
+            self.count_completed()
+        await self._send(message)
+
+    def count_completed(self) -> None:
+        """Count the request as completed (once): at its final message, or when the app returns
+        normally without one (a response it chose to cut short)."""
+        if not self._counted:
+            self._counted = True
+            self._counters.completed += 1
+
+    async def settle(self) -> None:
+        """Release what the request holds (idempotent)."""
+        if self._settled:
+            return
+        self._settled = True
+        await self._lifetime._drop_parsed()
+        await self._resources.aclose()
+
+
 class LifetimeMiddleware:
     """Admits each request, reads its body safely, fingerprints it and replays it once.
 
@@ -190,12 +230,14 @@ class LifetimeMiddleware:
                     # connection as a new request (smuggling), so ask it to close.
                     await send_error(send, exc, extra_headers=_CLOSE)
                 return
+            settle = _Settle(inner_scope["state"]["lifetime"], resources, counters, send)
             try:
-                await self.app(inner_scope, replay, send)
+                await self.app(inner_scope, replay, settle.send)
+                settle.count_completed()
             finally:
-                lifetime_state = inner_scope["state"]["lifetime"]
-                await lifetime_state._drop_parsed()
-            counters.completed += 1
+                # Paths that never sent a final body message (an error, a disconnect, a
+                # cancellation) settle here; the RequestScope's exit releases the rest.
+                await settle.settle()
 
     async def _admit_and_read(
         self, lifetime: Lifetime, scope: Scope, receive: Receive, resources: RequestScope
@@ -250,7 +292,11 @@ class LifetimeMiddleware:
             state._parsed_hold = resources.retain(len(raw))
 
         inner_scope = dict(scope)
-        inner_scope["state"] = {**scope.get("state", {}), "lifetime": state}
+        # One state dict for both scopes: what the inner app puts in ``request.state`` is seen
+        # by middleware outside this one (Starlette's ``BaseHTTPMiddleware`` reads it after the call).
+        shared_state = scope.setdefault("state", {})
+        shared_state["lifetime"] = state
+        inner_scope["state"] = shared_state
         if encoding or length != len(raw):
             # The inner app sees the decoded body: describe it truthfully.
             inner_scope["headers"] = [

@@ -9,6 +9,7 @@ the ``settings`` report are generated from that table so they cannot drift.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 import os
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from starlette.config import Config
 
-__all__ = ["ENV_PREFIX", "GiB", "KiB", "LifetimeSettings", "MiB", "SettingSpec", "SETTINGS"]
+__all__ = ["ENV_PREFIX", "GiB", "KiB", "LifetimeSettings", "MiB", "SettingSpec", "SETTINGS", "redact_url"]
 
 ENV_PREFIX = "ASGI_LIFETIME_"
 KiB = 1024
@@ -126,7 +128,7 @@ def _path_prefixes(value: Any) -> str | None:
 
 def _urls(value: Any) -> str | None:
     bad = [u for u in value if not re.match(r"^https?://[^\s/]+", u)]
-    return f"each upstream must be an http:// or https:// URL ({bad[0]!r} is not)" if bad else None
+    return f"each upstream must be an http:// or https:// URL ({redact_url(bad[0])!r} is not)" if bad else None
 
 
 def _header_name(value: Any) -> str | None:
@@ -167,6 +169,12 @@ SETTINGS: dict[str, SettingSpec] = {
         SettingSpec("keepalive_interval", _parse_float, _positive, "Seconds between SSE keep-alives in silence."),
         SettingSpec("retain_outbound", _parse_bool, _anything, "Keep the outbound body for one blind re-issue."),
         SettingSpec("session_header", _parse_str, _header_name, "Request header carrying the session id."),
+        SettingSpec(
+            "max_session_id_bytes",
+            _parse_size,
+            _positive,
+            "Longest session id accepted (longer: 400); sessions are kept by a 16-byte digest.",
+        ),
         SettingSpec("bookkeeping_sessions", _parse_int, _at_least_one, "Sessions kept by the default bookkeeper."),
         SettingSpec("error_body_limit", _parse_size, _positive, "Bytes of an upstream error body buffered."),
         # Operating the gateway.
@@ -179,6 +187,13 @@ SETTINGS: dict[str, SettingSpec] = {
         ),
         SettingSpec("gateway_keys", _parse_list, _keys, "Comma-separated keys clients may present.", secret=True),
         SettingSpec("upstream_cooloff", _parse_float, _non_negative, "Seconds an upstream that failed is skipped."),
+        SettingSpec(
+            "drain_delay",
+            _parse_float,
+            _non_negative,
+            "Seconds the server keeps accepting after SIGTERM (healthz 503, new requests 503) before it stops "
+            "listening; 0 stops listening at once.",
+        ),
         SettingSpec("shutdown_grace", _parse_float, _non_negative, "Seconds in-flight streams get on shutdown."),
     ]
 }
@@ -214,13 +229,23 @@ class LifetimeSettings:
     keepalive_interval: float = 15.0
     retain_outbound: bool = True
     session_header: str = "x-session-id"
+    max_session_id_bytes: int = 256
     bookkeeping_sessions: int = 10_000
     error_body_limit: int = 64 * KiB
 
     upstream_api_key: str | None = field(default=None, repr=False)
     gateway_keys: tuple[str, ...] = field(default=(), repr=False)
     upstream_cooloff: float = 30.0
+    drain_delay: float = 5.0
     shutdown_grace: float = 30.0
+
+    upstream_userinfo: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata={"derived": True})
+    """(base URL, user info) pairs split off ``upstream_url`` on construction; not a setting of its own.
+
+    A password in an upstream URL would be printed wherever the URL is (stats, errors, the
+    libraries' request logs): ``upstream_url`` keeps the URLs without user info, and the user
+    info is sent as ``Authorization: Basic`` (see ``upstream_authorization``).
+    """
 
     def __post_init__(self) -> None:
         for name, spec in SETTINGS.items():
@@ -231,6 +256,7 @@ class LifetimeSettings:
             problem = _type_problem(name, value) or spec.check(value)
             if problem:
                 raise ValueError(f"{spec.env}={_show(spec, value)} is invalid: {problem}")
+        self._split_userinfo()
         if self.max_inflight_bytes < self.max_body_bytes:
             raise ValueError(
                 f"{ENV_PREFIX}MAX_INFLIGHT_BYTES={self.max_inflight_bytes} is invalid: "
@@ -241,6 +267,42 @@ class LifetimeSettings:
                 f"{ENV_PREFIX}BACKOFF_MAX={self.backoff_max:g} is invalid: must be at least BACKOFF_BASE "
                 f"({self.backoff_base:g})"
             )
+
+    def _split_userinfo(self) -> None:
+        if not isinstance(self.upstream_userinfo, tuple) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(v, str) for v in pair)
+            for pair in self.upstream_userinfo
+        ):
+            raise ValueError("upstream_userinfo must be (base URL, user info) pairs")
+        # Kept from a copy (``replace``) for the URLs still configured; a URL's own user info wins.
+        found = dict(self.upstream_userinfo)
+        clean: list[str] = []
+        for url in self.upstream_url:
+            base, userinfo = _split_url(url)
+            clean.append(base)
+            if userinfo is not None:
+                found[base] = userinfo
+        object.__setattr__(self, "upstream_url", tuple(clean))
+        object.__setattr__(self, "upstream_userinfo", tuple((u, found[u]) for u in dict.fromkeys(clean) if u in found))
+
+    def upstream_authorization(self, base_url: str) -> str | None:
+        """The ``Authorization: Basic`` value for ``base_url``'s user info, or ``None`` if it had none."""
+        userinfo = dict(self.upstream_userinfo).get(base_url)
+        if userinfo is None:
+            return None
+        user, _, password = userinfo.partition(":")
+        token = f"{unquote(user)}:{unquote(password)}".encode()
+        return "Basic " + base64.b64encode(token).decode("ascii")
+
+    def shown_upstream_urls(self) -> tuple[str, ...]:
+        """The upstream URLs as a person may see them: ``http://user:***@host``."""
+        userinfo = dict(self.upstream_userinfo)
+        return tuple(_join_userinfo(url, _mask(userinfo.get(url))) for url in self.upstream_url)
+
+    def upstream_urls_with_userinfo(self) -> tuple[str, ...]:
+        """The upstream URLs as configured, user info included: only for handing to a child process."""
+        userinfo = dict(self.upstream_userinfo)
+        return tuple(_join_userinfo(url, userinfo.get(url)) for url in self.upstream_url)
 
     def replace(self, **changes: Any) -> LifetimeSettings:
         """A copy with some settings changed (validated again)."""
@@ -265,7 +327,8 @@ class LifetimeSettings:
 
     def public_items(self) -> list[tuple[str, str]]:
         """(ENV name, printable value) pairs, secrets masked; for reports and logs."""
-        return [(spec.env, _show(spec, getattr(self, name))) for name, spec in SETTINGS.items()]
+        shown = {"upstream_url": ",".join(self.shown_upstream_urls())}
+        return [(spec.env, shown.get(name) or _show(spec, getattr(self, name))) for name, spec in SETTINGS.items()]
 
 
 # name -> the types a field accepts, derived from the type of its default.
@@ -341,6 +404,39 @@ def _type_problem(name: str, value: Any) -> str | None:
 def _show(spec: SettingSpec, value: Any) -> str:
     if spec.secret:
         return "***" if value else "(unset)"
+    if spec.name == "upstream_url" and isinstance(value, tuple):
+        return ",".join(redact_url(v) if isinstance(v, str) else str(v) for v in value)
     if isinstance(value, tuple):
         return ",".join(map(str, value))  # items may not be strings when the value is being rejected
     return str(value)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), for output."""
+    try:
+        base, userinfo = _split_url(url)
+    except ValueError:
+        return url if "@" not in url else "(unreadable URL)"
+    return _join_userinfo(base, _mask(userinfo))
+
+
+def _split_url(url: str) -> tuple[str, str | None]:
+    """``url`` without its user info, and the user info (``None`` if there was none)."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at:
+        return url, None
+    return urlunsplit(parts._replace(netloc=hostport)), userinfo
+
+
+def _join_userinfo(url: str, userinfo: str | None) -> str:
+    if userinfo is None:
+        return url
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.netloc}"))
+
+
+def _mask(userinfo: str | None) -> str | None:
+    if userinfo is None or ":" not in userinfo:
+        return userinfo
+    return userinfo.partition(":")[0] + ":***"

@@ -7,24 +7,43 @@ know the moment the signal arrives. The CLI's server calls ``request_shutdown()`
 its signal handling; every gateway app in the process watches ``shutdown_requested()``.
 Signals are process-wide, so this flag is too (and a ``threading.Event`` because signal
 handlers and event loops may run in different threads).
+
+The server may keep listening for a while after the signal (``DRAIN_DELAY``: load balancers
+see ``/healthz`` answer 503 and move traffic away); it says when it will stop, and the
+streams' grace is counted from that moment (``grace_starts_at()``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
-__all__ = ["request_shutdown", "reset_shutdown", "shutdown_requested"]
+__all__ = ["grace_starts_at", "request_shutdown", "reset_shutdown", "shutdown_requested"]
 
 _requested = threading.Event()
+_grace_starts = 0.0
 
 
-def request_shutdown() -> None:
-    """Ask every gateway in this process to start draining. Safe from signal handlers."""
+def request_shutdown(*, stop_listening_in: float = 0.0) -> None:
+    """Ask every gateway in this process to start draining. Safe from signal handlers.
+
+    ``stop_listening_in``: seconds until the server stops accepting connections; in-flight
+    streams get their ``SHUTDOWN_GRACE`` from then. A later call can only bring that moment closer.
+    """
+    global _grace_starts
+    starts = time.monotonic() + max(0.0, stop_listening_in)
+    if not _requested.is_set() or starts < _grace_starts:
+        _grace_starts = starts
     _requested.set()
 
 
 def shutdown_requested() -> bool:
     return _requested.is_set()
+
+
+def grace_starts_at() -> float:
+    """``time.monotonic()`` at which the server stops (or stopped) listening; meaningful once requested."""
+    return _grace_starts
 
 
 def reset_shutdown() -> None:

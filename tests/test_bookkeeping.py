@@ -13,11 +13,13 @@ import pytest
 from asgi_lifetime import _bookkeeping
 from asgi_lifetime._bookkeeping import (
     OUTCOMES,
+    SESSION_KEY_BYTES,
     Bookkeeper,
     Outcome,
     SessionBook,
     SessionEntry,
     record_outcome,
+    session_key,
 )
 from asgi_lifetime._fingerprint import Fingerprint
 from asgi_lifetime._scope import RequestScope
@@ -529,3 +531,17 @@ def test_log_messages_carry_no_session_or_body(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.ERROR, logger="asgi_lifetime._bookkeeping"):
         anyio.run(main)
     assert "secret-session-id" not in caplog.text
+
+
+@pytest.mark.parametrize("session_id", ["s1", "x" * 100_000, "é-ünïcode", "\udcff-surrogate"])
+def test_the_book_keeps_a_fixed_size_digest_never_the_id(session_id: str) -> None:
+    counters = Counters()
+    book = SessionBook(max_sessions=4, counters=counters)
+    unpin = book.pin(session_id)
+    book.record(make_outcome(session_id))
+    assert session_id in book and book.get(session_id) is not None
+    kept = [*book._entries, *book._pins]
+    assert kept and all(isinstance(k, bytes) and len(k) == SESSION_KEY_BYTES for k in kept)
+    assert kept[0] == session_key(session_id)
+    unpin()
+    assert counters.pinned_sessions == 0 and book.pinned == 0

@@ -54,11 +54,13 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "keepalive_interval": ("5", 5.0),
     "retain_outbound": ("false", False),
     "session_header": ("x-conversation", "x-conversation"),
+    "max_session_id_bytes": ("1KiB", KiB),
     "bookkeeping_sessions": ("100", 100),
     "error_body_limit": ("8KiB", 8 * KiB),
     "upstream_api_key": (SECRET, SECRET),
     "gateway_keys": ("gk-1,gk-2", ("gk-1", "gk-2")),
     "upstream_cooloff": ("1", 1.0),
+    "drain_delay": ("0", 0.0),
     "shutdown_grace": ("10", 10.0),
 }
 
@@ -387,7 +389,7 @@ def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
 
 def test_serve_end_to_end_and_sigterm_exits_0(tmp_path: Path) -> None:
     with serve_in_thread(create_demo_upstream(tokens_per_second=1000)) as upstream:
-        with serving(["--upstream", upstream], tmp_path) as (process, base):
+        with serving(["--upstream", upstream, "--drain-delay", "0"], tmp_path) as (process, base):
             text = chat(base)
             assert "data: [DONE]" in text and '"content"' in text
             stats = httpx.get(f"{base}/lifetime/stats", timeout=5).json()
@@ -402,7 +404,8 @@ def test_sigterm_lets_a_stream_finish_its_grace_then_ends_it_in_band(tmp_path: P
     # A stream of about 20 s; SHUTDOWN_GRACE is 1 s: the stream keeps flowing for the grace,
     # then ends with an in-band shutting_down error, and the process exits 0 with nothing left.
     with serve_in_thread(create_demo_upstream(tokens_per_second=20)) as upstream:
-        with serving(["--upstream", upstream, "--shutdown-grace", "1"], tmp_path) as (process, base):
+        args = ["--upstream", upstream, "--shutdown-grace", "1", "--drain-delay", "0"]
+        with serving(args, tmp_path) as (process, base):
             body = {"model": "demo", "stream": True, "max_tokens": 400, "messages": [{"role": "user", "content": "x"}]}
             with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=10) as response:
                 chunks = response.iter_text()
@@ -455,3 +458,97 @@ def test_passwords_in_upstream_urls_are_not_printed(
     assert main(["settings"]) == 0
     out = capsys.readouterr().out
     assert f"{ENV_PREFIX}UPSTREAM_URL" in out and shown in out and "pa55" not in out
+
+
+# --- draining under serve, the only access log, no secret in any output ---------------------------
+
+
+def test_sigterm_drains_while_still_listening_then_exits_0(tmp_path: Path) -> None:
+    # DRAIN_DELAY 4 s: after SIGTERM the server still accepts; /healthz says draining, a new
+    # request gets 503 + Retry-After, and the stream in flight (about 3 s) runs to its end.
+    with serve_in_thread(create_demo_upstream(tokens_per_second=20)) as upstream:
+        args = ["--upstream", upstream, "--drain-delay", "4", "--shutdown-grace", "10"]
+        with serving(args, tmp_path) as (process, base):
+            body = {"model": "demo", "stream": True, "max_tokens": 60, "messages": [{"role": "user", "content": "x"}]}
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=20) as response:
+                chunks = response.iter_text()
+                received = [next(chunks)]
+                assert '"content"' in received[0]
+                process.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 3
+                while (health := httpx.get(f"{base}/healthz", timeout=5)).status_code != 503:
+                    assert time.monotonic() < deadline, "/healthz never said draining"
+                    time.sleep(0.02)
+                assert health.json() == {"status": "draining"}
+                refused = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=5)
+                assert process.poll() is None  # still serving the stream
+                received.extend(chunks)
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["code"] == "overloaded"
+            text = "".join(received)
+            assert text.rstrip().endswith("data: [DONE]") and "event: error" not in text
+            assert process.wait(timeout=20) == 0
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+def test_sigint_and_a_second_sigterm_skip_the_drain_delay(tmp_path: Path) -> None:
+    with serve_in_thread(create_demo_upstream(tokens_per_second=1000)) as upstream:
+        with serving(["--upstream", upstream, "--drain-delay", "60"], tmp_path) as (process, base):
+            assert "data: [DONE]" in chat(base)
+            process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{base}/healthz", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            started = time.monotonic()
+            assert stop(process) == 0  # the second SIGTERM: stop listening now
+            assert time.monotonic() - started < 10
+        with serving(["--upstream", upstream, "--drain-delay", "60"], tmp_path) as (process, base):
+            started = time.monotonic()
+            assert stop(process, signal.SIGINT) == 0
+            assert time.monotonic() - started < 10
+
+
+PASSWORD = "pw-SECRET-51d0"
+QUERY_KEY = "qk-SECRET-0a9e"
+
+
+@pytest.mark.parametrize("log_level", ["info", "debug"])
+def test_serve_logs_only_its_own_access_log_and_never_a_secret(tmp_path: Path, log_level: str) -> None:
+    with serve_in_thread(create_demo_upstream(tokens_per_second=1000)) as upstream:
+        with_password = upstream.replace("http://", f"http://user:{PASSWORD}@")
+        args = ["--upstream", with_password, "--drain-delay", "0", "--log-level", log_level]
+        with serving(args, tmp_path) as (process, base):
+            chat_body = {"model": "demo", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+            for param in ("key", "api_key", "access_token"):
+                url = f"{base}/v1/chat/completions?{param}={QUERY_KEY}&x=1"
+                assert httpx.post(url, json=chat_body, timeout=10).status_code == 200
+            stats = httpx.get(f"{base}/lifetime/stats", timeout=5).text
+            metrics = httpx.get(f"{base}/metrics", timeout=5).text
+            assert stop(process) == 0
+    log = (tmp_path / "serve.log").read_text()
+    assert log.count("path=/v1/chat/completions status=200") == 3  # the package's access log, one line each
+    assert '"POST /v1/chat/completions' not in log  # uvicorn's access log is off
+    assert f"user:***@127.0.0.1:{upstream.rsplit(':', 1)[1]}" in log  # the startup line, masked
+    for text in (log, stats, metrics):
+        assert PASSWORD not in text and QUERY_KEY not in text
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        (["settings"], "https://user:***@api.example.com"),
+        (["settings", "--upstream", f"ftp://u:{PASSWORD}@x"], "ftp://u:***@x"),  # invalid: the error message
+        (["settings", "--max-attempts", "0"], "--max-attempts"),
+        (["serve", "--workers", "0"], "--workers=0"),
+    ],
+)
+def test_settings_and_errors_never_print_an_upstream_password(
+    command: list[str], shown: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(f"{ENV_PREFIX}UPSTREAM_URL", f"https://user:{PASSWORD}@api.example.com")
+    monkeypatch.setattr(uvicorn.Server, "run", never_serve)
+    main(command)
+    captured = capsys.readouterr()
+    assert shown in captured.out + captured.err
+    assert PASSWORD not in captured.out + captured.err

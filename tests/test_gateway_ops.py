@@ -3,9 +3,13 @@ that leaves while retries are still running."""
 
 from __future__ import annotations
 
+import base64
+import gc
 import json
 import logging
+import socket
 import time
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +17,10 @@ import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import Message
 
 from asgi_lifetime import LifetimeSettings
@@ -20,6 +28,7 @@ from asgi_lifetime._demo_upstream import create_demo_upstream
 from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime._shutdown import request_shutdown, reset_shutdown
 from asgi_lifetime.gateway import create_app
+from tests.test_faults import assert_idle, running
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -214,3 +223,197 @@ def test_draining_ends_streams_after_the_grace_and_refuses_new_requests(shutdown
             while not app.state.lifetime.stats().idle and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert app.state.lifetime.stats().idle
+
+
+# --- client-chosen session ids are bounded and kept only as a digest ----------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("limit", "length", "accepted"),
+    [(None, 256, True), (None, 257, False), (None, 60 * 1024, False), (16, 16, True), (16, 17, False)],
+)
+async def test_a_session_id_over_the_limit_is_a_400(limit: int | None, length: int, accepted: bool) -> None:
+    seen: list[httpx.Request] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return completion(request)
+
+    changes = {} if limit is None else {"max_session_id_bytes": limit}
+    app = create_app(settings(**changes), transport=httpx.MockTransport(upstream))
+    session = "s" * length
+    async with client_for(app) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": session})
+    if accepted:
+        assert response.status_code == 200
+        assert len(seen) == 1 and seen[0].headers["x-session-id"] == session
+        assert session in app.state.book
+    else:
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "session_id_too_long"
+        assert f"{length} bytes" in error["message"] and session not in response.text
+        assert seen == [] and len(app.state.book) == 0
+    assert app.state.lifetime.stats().idle
+
+
+def test_session_id_limit_is_a_validated_setting() -> None:
+    assert LifetimeSettings().max_session_id_bytes == 256
+    assert LifetimeSettings.from_mapping({"MAX_SESSION_ID_BYTES": "1KiB"}).max_session_id_bytes == 1024
+    for bad in ("0", "-1", "lots"):
+        with pytest.raises(ValueError, match="ASGI_LIFETIME_MAX_SESSION_ID_BYTES"):
+            LifetimeSettings.from_mapping({"MAX_SESSION_ID_BYTES": bad})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("body", [b"{not json", json.dumps(CHAT).encode()], ids=["invalid", "valid"])
+async def test_unique_long_session_ids_leave_nothing_behind(body: bytes) -> None:
+    # Each request carries its own 32 KiB session id. Kept whole, 400 of them stayed behind
+    # (12.5 MiB); keyed by a 16-byte digest, what stays is a small entry per session.
+    count, length = 400, 32 * 1024
+    big_headers = {"h11_max_incomplete_event_size": 256 * 1024}
+    with running(max_session_id_bytes=64 * 1024, serve=big_headers) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+
+            async def send(i: int) -> int:
+                session = f"{i:08d}".ljust(length, "x")
+                headers = {"x-session-id": session, "content-type": "application/json"}
+                return (await client.post("/v1/chat/completions", content=body, headers=headers)).status_code
+
+            for i in range(10):  # warm up: connection pools, caches, lazily built objects
+                await send(-i - 1)
+            await assert_idle(stack.app, stack.url)
+            gc.collect()
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                statuses = {await send(i) for i in range(count)}
+                await assert_idle(stack.app, stack.url)
+                gc.collect()
+                grown = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+    assert statuses == ({400} if body.startswith(b"{not") else {200})
+    assert len(stack.app.state.book) == count + 10
+    assert grown < 2 * 1024 * 1024, f"{grown / 1024:.0f} KiB left after {count} requests of {length} byte ids"
+
+
+# --- a password in UPSTREAM_URL is never readable -------------------------------------------------
+
+PASSWORD = "pw-SECRET-7c1e"
+
+
+def recording_upstream() -> tuple[Starlette, list[dict[str, str]]]:
+    seen: list[dict[str, str]] = []
+
+    async def endpoint(request: Request) -> Response:
+        await request.body()
+        seen.append(dict(request.headers))
+        return JSONResponse({"object": "chat.completion", "choices": []})
+
+    return Starlette(routes=[Route("/v1/{path:path}", endpoint, methods=["GET", "POST"])]), seen
+
+
+def basic(userinfo: str) -> str:
+    return "Basic " + base64.b64encode(userinfo.encode()).decode()
+
+
+def assert_secret_free(*texts: str) -> None:
+    for text in texts:
+        assert PASSWORD not in text and base64.b64encode(f"user:{PASSWORD}".encode()).decode() not in text
+
+
+@pytest.mark.anyio
+async def test_upstream_password_is_sent_as_basic_auth_and_shown_nowhere(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)  # every logger: ours, httpx, httpcore, uvicorn
+    upstream_app, seen = recording_upstream()
+    with serve_in_thread(upstream_app, log_level="debug") as upstream:
+        userinfo_url = upstream.replace("http://", f"http://user:{PASSWORD}@") + "/"
+        config = LifetimeSettings(upstream_url=(userinfo_url,), session_header="x-session-id")
+        assert config.upstream_url == (upstream + "/",)
+        app = create_app(config)
+        with serve_in_thread(app, log_level="debug") as base:
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                plain = await client.post("/v1/chat/completions", json=CHAT)
+                own = await client.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer mine"})
+                keyed = await client.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": "mine"})
+                surfaces = [await client.get(path) for path in ("/lifetime/stats", "/metrics", "/healthz", "/nope")]
+    assert plain.status_code == own.status_code == keyed.status_code == 200
+    assert seen[0]["authorization"] == basic(f"user:{PASSWORD}")  # no credential of its own: the URL's
+    assert seen[1]["authorization"] == "Bearer mine"  # the client's credential is not replaced
+    assert "authorization" not in seen[2] and seen[2]["x-api-key"] == "mine"
+    stats = surfaces[0].json()
+    assert [u["url"] for u in stats["upstreams"]] == [upstream + "/"]
+    assert_secret_free(
+        *(r.text for r in (plain, own, keyed, *surfaces)),
+        caplog.text,
+        repr(config),
+        str(config),
+        repr(config.public_items()),
+        repr(app.state.upstream.describe()),
+    )
+    assert ("ASGI_LIFETIME_UPSTREAM_URL", userinfo_url.replace(PASSWORD, "***")) in config.public_items()
+    assert any(r.name.startswith("httpx") for r in caplog.records)  # httpx did log its request URLs
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models?key=abc"])
+async def test_unreachable_upstream_with_a_password_errors_and_logs_without_it(
+    path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    app = create_app(settings(upstream_url=(f"http://user:{PASSWORD}@127.0.0.1:{port}",), max_attempts=2))
+    async with client_for(app) as client:
+        async with app.router.lifespan_context(app):
+            response = await client.post(path, json=CHAT)
+            stats = await client.get("/lifetime/stats")
+    assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_unreachable"
+    assert_secret_free(response.text, stats.text, caplog.text)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("upstream_url", "api_key", "expected"),
+    [
+        ("http://us%40er:p%3Ass@upstream.test/base", None, basic("us@er:p:ss")),  # percent-decoded
+        ("http://user@upstream.test/base", None, basic("user:")),  # a user without a password
+        ("http://user:pw@upstream.test/base", "sk-up", "Bearer sk-up"),  # a configured key wins
+        ("http://upstream.test/base", None, None),
+    ],
+)
+async def test_upstream_user_info_becomes_basic_auth(
+    upstream_url: str, api_key: str | None, expected: str | None
+) -> None:
+    seen: list[httpx.Request] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return completion(request)
+
+    config = settings(upstream_url=(upstream_url,), upstream_api_key=api_key)
+    app = create_app(config, transport=httpx.MockTransport(upstream))
+    async with client_for(app) as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    assert seen[0].url == httpx.URL("http://upstream.test/base/v1/chat/completions")
+    assert seen[0].headers.get("authorization") == expected
+
+
+def test_user_info_survives_replace_and_export_and_is_masked() -> None:
+    configured = f"https://user:{PASSWORD}@api.example.com:8443/v1"
+    settings_ = LifetimeSettings(upstream_url=(configured, "http://other:8000"))
+    assert settings_.upstream_url == ("https://api.example.com:8443/v1", "http://other:8000")
+    assert settings_.shown_upstream_urls() == ("https://user:***@api.example.com:8443/v1", "http://other:8000")
+    assert settings_.upstream_urls_with_userinfo() == (configured, "http://other:8000")
+    copied = settings_.replace(max_attempts=2)
+    assert copied.upstream_authorization("https://api.example.com:8443/v1") == basic(f"user:{PASSWORD}")
+    assert copied.upstream_authorization("http://other:8000") is None
+    assert settings_.replace(upstream_url=("http://other:8000",)).upstream_userinfo == ()
+    again = LifetimeSettings.from_mapping({"UPSTREAM_URL": ",".join(settings_.upstream_urls_with_userinfo())})
+    assert again == settings_
+    with pytest.raises(ValueError) as info:
+        LifetimeSettings(upstream_url=(f"ftp://user:{PASSWORD}@host",))
+    assert PASSWORD not in str(info.value) and "user:***@host" in str(info.value)

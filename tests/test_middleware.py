@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import gc
 import gzip
 import json
 import random
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -14,6 +16,7 @@ from fastapi import FastAPI
 from fastapi import Request as FastAPIRequest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,6 +33,7 @@ from asgi_lifetime import (
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 CHAT_BYTES = json.dumps(CHAT).encode()
+GAUGES = ("inflight_requests", "inflight_bytes", "retained_input_bytes", "live_resources", "pinned_sessions")
 
 
 def settings(**changes: Any) -> LifetimeSettings:
@@ -484,3 +488,167 @@ async def test_two_hundred_requests_with_random_failures_leave_nothing_held() ->
     assert stats.completed == kinds.count("ok") > 0
     assert set(statuses["ok"]) == {200} and set(statuses["too_large"]) == {413} and set(statuses["idle"]) == {408}
     assert set(statuses["abort"]) == {None}
+
+
+# --- state shared with outer middleware, settlement before the final message ---------------------
+
+
+async def remember(request: Request) -> Response:
+    request.state.handled_by = "handler"
+    return JSONResponse({"size": request.state.lifetime.size})
+
+
+class ReadsHandlerState(BaseHTTPMiddleware):
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        response = await call_next(request)
+        response.headers["x-handled-by"] = getattr(request.state, "handled_by", "unseen")
+        return response
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("lifespan_state", [False, True])
+def test_outer_base_http_middleware_sees_request_state_set_by_the_handler(backend: str, lifespan_state: bool) -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        yield {"db": "from lifespan"}
+
+    app = Starlette(
+        routes=[Route("/v1/x", remember, methods=["POST"])],
+        middleware=[Middleware(ReadsHandlerState), Middleware(LifetimeMiddleware, settings=settings())],
+        lifespan=lifespan if lifespan_state else None,
+    )
+    with TestClient(app, backend=backend) as client:  # runs the lifespan: Starlette puts its state in the scope
+        response = client.post("/v1/x", content=CHAT_BYTES, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"size": len(CHAT_BYTES)}
+    assert response.headers["x-handled-by"] == "handler"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("outer_state", [None, {"set": "outside"}])
+async def test_inner_scope_state_is_the_outer_scopes_dict(outer_state: dict[str, str] | None) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(scope["state"])
+        scope["state"]["x"] = 1
+        await receive()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    scope = raw_scope(CHAT_BYTES)
+    if outer_state is not None:
+        scope["state"] = outer_state
+    await LifetimeMiddleware(app, settings=settings())(scope, body_receive(CHAT_BYTES), discard)
+    assert seen[0] is scope["state"]
+    assert scope["state"]["x"] == 1 and isinstance(scope["state"]["lifetime"], RequestLifetime)
+    if outer_state is not None:
+        assert scope["state"]["set"] == "outside"
+
+
+def raw_scope(body: bytes) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/x",
+        "raw_path": b"/v1/x",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
+def body_receive(body: bytes) -> Receive:
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+async def discard(message: Message) -> None:
+    return None
+
+
+def final_body_variants() -> list[list[Message]]:
+    return [
+        [{"type": "http.response.body", "body": b"done"}],  # more_body absent
+        [{"type": "http.response.body", "body": b"done", "more_body": False}],
+        [
+            {"type": "http.response.body", "body": b"a", "more_body": True},
+            {"type": "http.response.body", "body": b"", "more_body": True},
+            {"type": "http.response.body", "body": b"", "more_body": False},
+        ],
+    ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("bodies", final_body_variants(), ids=["absent", "false", "streamed"])
+async def test_request_settles_before_the_final_body_message_reaches_the_server(bodies: list[Message]) -> None:
+    middleware = LifetimeMiddleware(lambda s, r, d: None, settings=settings())  # type: ignore[arg-type,return-value]
+    released: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        scope["state"]["lifetime"].resources.add(lambda: released.append("resource"))
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for message in bodies:
+            await send(message)
+
+    middleware.app = app
+    at_final: list[dict[str, int]] = []
+    during: list[dict[str, int]] = []
+
+    async def server_send(message: Message) -> None:
+        stats = middleware.stats().as_dict()
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            at_final.append(stats)
+            assert released == ["resource"]
+        else:
+            during.append(stats)
+
+    await middleware(raw_scope(CHAT_BYTES), body_receive(CHAT_BYTES), server_send)
+    assert all(s["inflight_requests"] == 1 for s in during)
+    assert len(at_final) == 1
+    final = at_final[0]
+    assert final["completed"] == 1
+    assert {g: final[g] for g in GAUGES} == dict.fromkeys(GAUGES, 0)
+    assert middleware.stats().completed == 1 and middleware.stats().idle
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("ending", ["raises", "returns_without_final", "no_response", "cancelled"])
+async def test_paths_without_a_final_body_message_still_release_everything(ending: str) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        scope["state"]["lifetime"].resources.add(lambda: None)
+        await receive()
+        if ending != "no_response":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"part", "more_body": True})
+        if ending == "raises":
+            raise RuntimeError("boom")
+        if ending == "cancelled":
+            await anyio.sleep_forever()
+
+    middleware = LifetimeMiddleware(app, settings=settings())
+    call = middleware(raw_scope(CHAT_BYTES), body_receive(CHAT_BYTES), discard)
+    if ending == "raises":
+        with pytest.raises(RuntimeError, match="boom"):
+            await call
+    elif ending == "cancelled":
+        with anyio.move_on_after(0.2):
+            await call
+    else:
+        await call
+    stats = middleware.stats()
+    assert stats.idle, stats
+    assert stats.completed == (1 if ending in ("returns_without_final", "no_response") else 0)  # returned normally
