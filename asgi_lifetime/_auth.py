@@ -137,9 +137,9 @@ def _without_key_param(query: bytes) -> bytes:
 class KeyScrubber:
     """Replaces the gateway's upstream key with ``[redacted]`` in what goes back to clients.
 
-    Spellings covered: the bare key (so ``Bearer <key>`` too), its JSON-escaped and
-    percent-encoded forms, and, in JSON, any ``\\u`` escape of it (the body is re-serialized
-    only then, so a valid JSON body stays valid JSON).
+    Spellings covered: the bare key (so ``Bearer <key>`` too), its JSON-escaped forms (``\\/``,
+    every character ``\\u``-escaped) and percent-encoded forms, and, in JSON, any mix of escapes
+    (the body is then parsed and re-serialized, so a valid JSON body stays valid JSON).
 
     ```python
     scrub = KeyScrubber("sk-upstream")
@@ -153,7 +153,8 @@ class KeyScrubber:
         self._key = key or None
         spellings: set[str] = set()
         if key:
-            spellings.update({key, json.dumps(key)[1:-1], quote(key, safe=""), quote(key)})
+            spellings.update({key, json.dumps(key)[1:-1], key.replace("/", "\\/"), quote(key, safe=""), quote(key)})
+            spellings.add("".join(f"\\u{ord(c):04x}" for c in key))  # every character escaped (JSON, JS)
         # Longest first: a spelling that contains another is replaced whole.
         self._spellings = sorted((s.encode() for s in spellings), key=len, reverse=True)
 
