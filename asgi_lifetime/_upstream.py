@@ -299,7 +299,8 @@ class UpstreamClient:
 
         ``on_retries_settled`` runs exactly once, after ``prepared.settle()``, whether this
         returns, raises or is cancelled. Exhausted transport failures raise
-        ``UpstreamUnreachable`` or ``UpstreamTimeout``; an exhausted retryable status is returned.
+        ``UpstreamUnreachable`` or ``UpstreamTimeout``; an exhausted retryable status is returned,
+        with ``x-should-retry: false`` (unless ``max_attempts`` is 1) so SDKs do not retry it again.
         The response's ``extensions`` carry ``"asgi_lifetime.attempts"`` and, when it came from
         the network, ``"asgi_lifetime.upstream"`` (the base URL that answered).
         """
@@ -350,8 +351,10 @@ class UpstreamClient:
                     failed.add(base)
                     delay = self._backoff(backoffs, response.headers.get("retry-after"))
                     if not (more and self._clock() + delay <= deadline):
-                        # Our retries are spent: an SDK retrying this would multiply them.
-                        response.headers.update(NO_CLIENT_RETRY)
+                        if settings.max_attempts > 1:
+                            # Our retries are spent: an SDK retrying this would multiply them. (With
+                            # MAX_ATTEMPTS=1 the gateway does not retry: retrying is left to the client.)
+                            response.headers.update(NO_CLIENT_RETRY)
                         keep = True
                         return response
                     await response.aclose()  # before sleeping: the connection goes back to the pool

@@ -123,6 +123,16 @@ def test_a_non_retryable_upstream_error_is_left_to_the_sdk() -> None:
     assert len(upstream.requests) == 2
 
 
+def test_without_gateway_retries_the_sdk_may_retry() -> None:
+    # MAX_ATTEMPTS=1: the gateway does not retry, so it leaves retrying to the client.
+    with raw_upstream(failing(503)) as upstream, running(upstream_url=upstream.url, max_attempts=1) as gateway:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="k", max_retries=1) as client:
+            with pytest.raises(openai.APIStatusError) as info:
+                chat(client)
+        assert "x-should-retry" not in info.value.response.headers
+    assert len(upstream.requests) == 2
+
+
 @pytest.mark.parametrize(
     "error",
     [
