@@ -14,7 +14,8 @@ it came, ``Content-Encoding`` included, capped at the limit in raw bytes.
 An error body that did not arrive whole (cut at the limit, stalled, broken off, corrupt) is
 never relayed as if it were complete. The client gets the upstream's status and headers with a
 complete, honest gateway JSON error saying so (code ``upstream_error_incomplete``) and the
-decoded start of the upstream's body in ``upstream_body``. Ending the response broken
+decoded start of the upstream's body in ``upstream_body`` (as much as keeps the whole answer
+within ``ERROR_BODY_LIMIT``). Ending the response broken
 instead would make SDKs treat it as a connection error and retry it (a retry multiplied by
 the gateway's own), and would lose the status the SDK maps to an error class.
 """
@@ -167,9 +168,12 @@ async def read_error_body(response: httpx.Response, *, limit: int, stall_timeout
     return ErrorBody(bytes(captured), decoded=decoder is not False, problem=problem)
 
 
-def replay(response: httpx.Response, body: ErrorBody, scrubber: KeyScrubber) -> httpx.Response:
+def replay(
+    response: httpx.Response, body: ErrorBody, scrubber: KeyScrubber, *, limit: int | None = None
+) -> httpx.Response:
     """The upstream's error as the client gets it: status and headers, and the body (or an honest
-    gateway error when the body is incomplete, or undecodable while it may quote our key)."""
+    gateway error when the body is incomplete, or undecodable while it may quote our key; with
+    ``limit``, that error's ``upstream_body`` is shortened to keep it within ``limit`` bytes)."""
     headers = [(k, v) for k, v in response.headers.raw if k.lower().decode("latin-1") not in _FRAMING]
     content = body.data
     withheld = not body.decoded and bool(scrubber)
@@ -180,7 +184,7 @@ def replay(response: httpx.Response, body: ErrorBody, scrubber: KeyScrubber) -> 
     else:
         headers = [(k, v) for k, v in headers if k.lower() not in (b"content-encoding", b"content-type")]
         headers.append((b"content-type", b"application/json"))
-        content = _incomplete(response, body, scrubber, withheld)
+        content = _incomplete(response, body, scrubber, withheld, limit)
     headers.append((b"content-length", str(len(content)).encode()))
     ours = {k: v for k, v in response.extensions.items() if k.startswith("asgi_lifetime.")}
     # A stream, not content=: the relay streams it with aiter_raw(), which a pre-read response refuses.
@@ -193,7 +197,9 @@ def replay(response: httpx.Response, body: ErrorBody, scrubber: KeyScrubber) -> 
     )
 
 
-def _incomplete(response: httpx.Response, body: ErrorBody, scrubber: KeyScrubber, withheld: bool) -> bytes:
+def _incomplete(
+    response: httpx.Response, body: ErrorBody, scrubber: KeyScrubber, withheld: bool, limit: int | None
+) -> bytes:
     status = response.status_code
     error: dict[str, str] = {"type": "upstream_error"}
     if withheld:
@@ -207,5 +213,26 @@ def _incomplete(response: httpx.Response, body: ErrorBody, scrubber: KeyScrubber
         error["code"] = "upstream_error_incomplete"
         error["message"] = f"the upstream answered HTTP {status} but its error body is incomplete: {body.problem}"
         if body.decoded:
-            error["upstream_body"] = scrubber.cut(body.data).decode("utf-8", "replace")
+            return _within({"error": error}, scrubber.cut(body.data).decode("utf-8", "replace"), limit)
     return json.dumps({"error": error}, ensure_ascii=False).encode()
+
+
+def _within(document: dict[str, dict[str, str]], text: str, limit: int | None) -> bytes:
+    """``document`` with the longest start of ``text`` as ``upstream_body`` that fits in ``limit`` bytes."""
+
+    def encode(size: int) -> bytes:
+        document["error"]["upstream_body"] = text[:size]
+        return json.dumps(document, ensure_ascii=False).encode()
+
+    encoded = encode(len(text))
+    if limit is None or len(encoded) <= limit:
+        return encoded
+    # Escapes make a character cost 1 to 6 bytes: search for the longest prefix that fits.
+    low, high = 0, len(text)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(encode(middle)) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return encode(low)

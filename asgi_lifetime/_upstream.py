@@ -376,7 +376,7 @@ class UpstreamClient:
                     if rejected is not None and more and self._remap(prepared, rejected, roles_tried, run.attempts):
                         continue
                 keep = True
-                return replay(response, error_body, self._scrubber)
+                return replay(response, error_body, self._scrubber, limit=settings.error_body_limit)
             finally:
                 if not keep:
                     with anyio.CancelScope(shield=True):
@@ -479,7 +479,7 @@ class UpstreamClient:
         """An error response as the client gets it: at most ``ERROR_BODY_LIMIT`` bytes of its body,
         read now (the upstream's error page is not streamed through unbounded), our upstream key
         scrubbed from it, and an honest gateway error if it is incomplete. Closes ``response``."""
-        return replay(response, await self._read_error(response), self._scrubber)
+        return replay(response, await self._read_error(response), self._scrubber, limit=self._settings.error_body_limit)
 
     def _emit(self, event: AttemptEvent) -> None:
         if self._listener is None:

@@ -251,3 +251,14 @@ async def test_client_leaving_during_an_error_body_read_closes_the_upstream() ->
         # The client is gone: the gateway stops reading and closes the upstream connection.
         assert await anyio.to_thread.run_sync(upstream.released.wait, 10)
         await assert_idle(stack.app, stack.url)
+
+
+@pytest.mark.parametrize("text", [b"x" * 5000, b"\x01" * 5000, "\u00e9".encode() * 2500, b"k" * 4000 + b'"\\' * 500])
+@pytest.mark.parametrize("limit", [300, 1000, 4096])
+def test_incomplete_error_answer_stays_within_the_limit(text: bytes, limit: int) -> None:
+    body = ErrorBody(text[:limit], decoded=True, problem="cut")
+    relayed = replay(upstream_response(400, [], {}), body, KeyScrubber(None), limit=limit)
+    content = relayed.read()
+    assert len(content) <= limit
+    error = json.loads(content)["error"]
+    assert error["upstream_body"] and text.decode("utf-8", "replace").startswith(error["upstream_body"])
