@@ -7,22 +7,42 @@ key upstream, so it must keep strangers out: clients present one of ``GATEWAY_KE
 their own credential headers are replaced before anything is read or forwarded. With an
 upstream key and no gateway keys (a local development proxy), only loopback clients are
 served; the CLI also refuses to bind such a gateway to a non-loopback address.
+
+``UPSTREAM_AUTH`` says how the key goes upstream: ``bearer`` (``Authorization: Bearer``,
+OpenAI-style), ``x-api-key`` (Anthropic) or ``x-goog-api-key`` (Gemini). Whichever it is,
+every client credential (``Authorization``, ``x-api-key``, ``x-goog-api-key``, a ``key=``
+query parameter) is removed first, so the upstream sees exactly one credential: ours.
+
+An upstream may quote the credential it received (a 401 echoing ``Authorization``):
+``KeyScrubber`` replaces the key in every spelling with ``[redacted]`` in relayed headers
+and error bodies.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 from collections.abc import Collection
+from typing import Any
+from urllib.parse import quote
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ._exceptions import AuthenticationError
 from ._middleware import route_path, send_error
 
-__all__ = ["GatewayAuth", "is_loopback"]
+__all__ = ["REDACTED", "UPSTREAM_AUTH_SCHEMES", "GatewayAuth", "KeyScrubber", "is_loopback"]
 
-_CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")
+# Every header a client may carry a credential in, whatever the scheme the gateway injects.
+_CREDENTIAL_HEADERS = (b"authorization", b"x-api-key", b"x-goog-api-key")
+# UPSTREAM_AUTH -> the header the upstream key goes in, and how its value is written.
+UPSTREAM_AUTH_SCHEMES: dict[str, tuple[bytes, str]] = {
+    "bearer": (b"authorization", "Bearer {key}"),
+    "x-api-key": (b"x-api-key", "{key}"),
+    "x-goog-api-key": (b"x-goog-api-key", "{key}"),
+}
+REDACTED = "[redacted]"
 
 
 class GatewayAuth:
@@ -40,11 +60,17 @@ class GatewayAuth:
         *,
         gateway_keys: Collection[str],
         upstream_api_key: str | None,
+        upstream_auth: str = "bearer",
         open_paths: Collection[str] = ("/healthz", "/metrics"),
     ) -> None:
+        if upstream_auth not in UPSTREAM_AUTH_SCHEMES:
+            raise ValueError(
+                f"upstream_auth={upstream_auth!r} is invalid: must be one of {', '.join(UPSTREAM_AUTH_SCHEMES)}"
+            )
         self.app = app
         self._keys = [key.encode() for key in gateway_keys]
-        self._inject = f"Bearer {upstream_api_key}".encode() if upstream_api_key else None
+        header, template = UPSTREAM_AUTH_SCHEMES[upstream_auth]
+        self._inject = (header, template.format(key=upstream_api_key).encode()) if upstream_api_key else None
         self._open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -64,7 +90,8 @@ class GatewayAuth:
             return
         scope = dict(scope)
         scope["headers"] = [(k, v) for k, v in headers if k not in _CREDENTIAL_HEADERS]
-        scope["headers"].append((b"authorization", self._inject))
+        scope["headers"].append(self._inject)
+        scope["query_string"] = _without_key_param(scope.get("query_string", b""))
         await self.app(scope, receive, send)
 
     def _accepts(self, presented: bytes | None) -> bool:
@@ -94,6 +121,96 @@ def _presented(headers: list[tuple[bytes, bytes]]) -> bytes | None:
             scheme, _, token = value.partition(b" ")
             if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
-        elif name == b"x-api-key" and value.strip():
+        elif name in (b"x-api-key", b"x-goog-api-key") and value.strip():
             return value.strip()
     return None
+
+
+def _without_key_param(query: bytes) -> bytes:
+    """The query string minus every ``key=`` parameter (Gemini's credential in the URL), as sent otherwise."""
+    if not query:
+        return query
+    kept = [part for part in query.split(b"&") if part.partition(b"=")[0] != b"key"]
+    return b"&".join(kept)
+
+
+class KeyScrubber:
+    """Replaces the gateway's upstream key with ``[redacted]`` in what goes back to clients.
+
+    Spellings covered: the bare key (so ``Bearer <key>`` too), its JSON-escaped forms (``\\/``,
+    every character ``\\u``-escaped) and percent-encoded forms, and, in JSON, any mix of escapes
+    (the body is then parsed and re-serialized, so a valid JSON body stays valid JSON).
+
+    ```python
+    scrub = KeyScrubber("sk-upstream")
+    scrub.scrub(b'{"error": "bad key Bearer sk-upstream"}')  # b'{"error": "bad key Bearer [redacted]"}'
+    ```
+    """
+
+    __slots__ = ("_key", "_spellings")
+
+    def __init__(self, key: str | None) -> None:
+        self._key = key or None
+        spellings: set[str] = set()
+        if key:
+            spellings.update({key, json.dumps(key)[1:-1], key.replace("/", "\\/"), quote(key, safe=""), quote(key)})
+            spellings.add("".join(f"\\u{ord(c):04x}" for c in key))  # every character escaped (JSON, JS)
+        # Longest first: a spelling that contains another is replaced whole.
+        self._spellings = sorted((s.encode() for s in spellings), key=len, reverse=True)
+
+    def __bool__(self) -> bool:
+        return self._key is not None
+
+    def scrub(self, data: bytes) -> bytes:
+        if self._key is None:
+            return data
+        for spelling in self._spellings:
+            if spelling in data:
+                data = data.replace(spelling, REDACTED.encode())
+        if b"\\u" in data:
+            data = self._json(data)
+        return data
+
+    def scrub_text(self, text: str) -> str:
+        if self._key is None:
+            return text
+        return self.scrub(text.encode("utf-8", "surrogatepass")).decode("utf-8", "surrogatepass")
+
+    def cut(self, data: bytes) -> bytes:
+        """``data`` scrubbed, then without a trailing start of the key (a body cut mid-key)."""
+        data = self.scrub(data)
+        for spelling in self._spellings:
+            for size in range(min(len(spelling), len(data)), 0, -1):
+                if data.endswith(spelling[:size]):
+                    data = data[:-size]
+                    break
+        return data
+
+    def headers(self, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]] | None:
+        """Scrubbed header pairs, or None when no value held the key."""
+        if self._key is None:
+            return None
+        changed = False
+        result = []
+        for name, value in raw:
+            clean = self.scrub(value)
+            changed = changed or clean is not value
+            result.append((name, clean))
+        return result if changed else None
+
+    def _json(self, data: bytes) -> bytes:
+        try:
+            document = json.loads(data)
+        except ValueError:
+            return data
+        clean = self._walk(document)
+        return data if clean == document else json.dumps(clean, ensure_ascii=False).encode()
+
+    def _walk(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.scrub_text(value) if self._key is not None and self._key in value else value
+        if isinstance(value, list):
+            return [self._walk(item) for item in value]
+        if isinstance(value, dict):
+            return {self._walk(k): self._walk(v) for k, v in value.items()}
+        return value

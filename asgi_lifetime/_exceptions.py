@@ -22,6 +22,10 @@ OpenAI-style JSON body ``{"error": {"type", "code", "message"}}``::
 
 ``BodyAborted`` is never delivered (the client is gone); it is logged and counted.
 Messages never contain request bodies or keys.
+
+``AdmissionRejected`` and the ``UpstreamError`` family answer with ``x-should-retry: false``:
+the gateway already retried (or decided not to), and SDKs that honour the header (openai,
+anthropic) would otherwise multiply its attempts by their own ``max_retries``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "NO_CLIENT_RETRY",
     "AdmissionRejected",
     "AuthenticationError",
     "BodyAborted",
@@ -152,6 +157,10 @@ class AuthenticationError(RequestError):
     code = "invalid_api_key"
 
 
+# The gateway's own retry decision, for SDKs that would otherwise retry a 5xx on their own.
+NO_CLIENT_RETRY = {"x-should-retry": "false"}
+
+
 class AdmissionRejected(LifetimeError):
     """The gateway is at capacity (or shutting down) and could not admit the request in time."""
 
@@ -165,13 +174,17 @@ class AdmissionRejected(LifetimeError):
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"retry-after": str(self.retry_after)}
+        return {"retry-after": str(self.retry_after), **NO_CLIENT_RETRY}
 
 
 class UpstreamError(LifetimeError):
     status_code = 502
     error_type = "upstream_error"
     code = "bad_gateway"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return dict(NO_CLIENT_RETRY)
 
 
 class UpstreamUnreachable(UpstreamError):

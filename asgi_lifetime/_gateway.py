@@ -104,8 +104,6 @@ class Forwarder:
                 status, outcome = 499, "client_disconnected"
                 return
             resources.add(response.aclose)  # closed when the request settles, whatever happens below
-            if response.status_code >= 400:
-                response = await self.upstream.capped(response)
             attempts = int(response.extensions.get("asgi_lifetime.attempts", 1))
             upstream_url = response.extensions.get("asgi_lifetime.upstream")
             retained = len(prepared.body) if prepared.body is not None else 0
@@ -166,6 +164,9 @@ class Forwarder:
             tg.start_soon(_watch_disconnect, receive, gone, tg.cancel_scope)
             try:
                 response = await self.upstream.forward(prepared, on_retries_settled=held.release, session_id=session_id)
+                if response.status_code >= 400:
+                    # Read here, where a client leaving is noticed: the read stops, the upstream is closed.
+                    response = await self.upstream.capped(response)
             except LifetimeError as exc:
                 error = exc.with_traceback(None)  # a kept traceback would keep the retry loop's frames
             finally:

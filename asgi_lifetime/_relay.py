@@ -444,12 +444,13 @@ class _Relay:
                 await self._send_body(body, more_body=False)
             elif self.inband:
                 await self._send_body(self._resync_prefix() + sse_event("error", exc.to_dict()), more_body=False)
-            elif self.declared is not None and self.bytes_out < self.declared:
-                # Ending a body short of its Content-Length makes the server raise. Leave it
+            elif self.declared is not None and self.bytes_out >= self.declared:
+                await self._send_body(b"", more_body=False)  # everything promised was sent
+            else:
+                # Cut short. Ending it would make it look complete (a chunked body gets its last
+                # chunk; one short of its Content-Length makes the server raise). Leave it
                 # unfinished instead: the server closes the connection, the client sees it cut off.
                 return
-            else:
-                await self._send_body(b"", more_body=False)
 
     async def _send_body(self, body: bytes, *, more_body: bool = True) -> None:
         if not self.started and self.start is not None:

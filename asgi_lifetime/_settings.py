@@ -135,6 +135,17 @@ def _header_name(value: Any) -> str | None:
     return None if re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", value) else "must be a valid HTTP header name"
 
 
+_UPSTREAM_AUTH = ("bearer", "x-api-key", "x-goog-api-key")  # the schemes of _auth.UPSTREAM_AUTH_SCHEMES
+
+
+def _upstream_auth(value: Any) -> str | None:
+    return None if value in _UPSTREAM_AUTH else f"must be one of {', '.join(_UPSTREAM_AUTH)}"
+
+
+def _parse_lower(text: str) -> str:
+    return text.strip().lower()
+
+
 def _keys(value: Any) -> str | None:
     return "keys must not be empty" if any(not k for k in value) else None
 
@@ -185,6 +196,12 @@ SETTINGS: dict[str, SettingSpec] = {
             "Key injected upstream; clients must then present a gateway key.",
             secret=True,
         ),
+        SettingSpec(
+            "upstream_auth",
+            _parse_lower,
+            _upstream_auth,
+            "How UPSTREAM_API_KEY is sent: bearer (Authorization), x-api-key or x-goog-api-key.",
+        ),
         SettingSpec("gateway_keys", _parse_list, _keys, "Comma-separated keys clients may present.", secret=True),
         SettingSpec("upstream_cooloff", _parse_float, _non_negative, "Seconds an upstream that failed is skipped."),
         SettingSpec(
@@ -234,6 +251,7 @@ class LifetimeSettings:
     error_body_limit: int = 64 * KiB
 
     upstream_api_key: str | None = field(default=None, repr=False)
+    upstream_auth: str = "bearer"
     gateway_keys: tuple[str, ...] = field(default=(), repr=False)
     upstream_cooloff: float = 30.0
     drain_delay: float = 5.0

@@ -30,12 +30,15 @@ from typing import Literal
 import anyio
 import httpx
 
-from ._exceptions import UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from ._auth import KeyScrubber
+from ._error_body import ErrorBody, read_error_body, replay
+from ._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from ._pool import UpstreamPool
 from ._prepare import Prepared
 from ._refold import match_overflow, match_rejected_role
 from ._settings import LifetimeSettings
 from ._stats import Counters
+from ._transport import GuardedTransport
 
 __all__ = ["AttemptEvent", "UpstreamClient"]
 
@@ -44,8 +47,6 @@ logger = logging.getLogger(__name__)
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # Set from the URL and the body on every attempt; never taken from the client's request.
 _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding"})
-# A replayed error body is decoded and complete: its framing and encoding headers no longer apply.
-_REPLAY_DROPPED = frozenset({"content-length", "content-encoding", "transfer-encoding"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,19 +163,19 @@ def _retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _replay(response: httpx.Response, captured: bytes) -> httpx.Response:
-    """The upstream's error as the client should get it: its status, headers and (capped) body."""
-    headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _REPLAY_DROPPED]
-    headers.append(("content-length", str(len(captured))))
-    ours = {k: v for k, v in response.extensions.items() if k.startswith("asgi_lifetime.")}
-    # A stream, not content=: the relay streams it with aiter_raw(), which a pre-read response refuses.
-    return httpx.Response(
-        response.status_code,
-        headers=headers,
-        stream=httpx.ByteStream(captured),
-        request=response.request,
-        extensions=ours,
-    )
+def _framed(response: httpx.Response, scrubber: KeyScrubber) -> None:
+    """The response headers as they may be relayed: one framing, and no trace of our upstream key.
+
+    RFC 9112 6.3: Transfer-Encoding overrides Content-Length, and a proxy must remove the
+    Content-Length before forwarding (h11 read the body by its chunks; relaying the length
+    would cut the body short, or promise a length the body does not have).
+    """
+    raw = response.headers.raw
+    if "transfer-encoding" in response.headers and "content-length" in response.headers:
+        raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
+    raw = scrubber.headers(raw) or raw
+    if raw is not response.headers.raw:
+        response.headers = httpx.Headers(raw)
 
 
 class UpstreamClient:
@@ -213,6 +214,7 @@ class UpstreamClient:
         self._base_urls = urls
         self._pool = UpstreamPool(urls, cooloff=settings.upstream_cooloff)
         self._owns_client = client is None
+        self._scrubber = KeyScrubber(settings.upstream_api_key)
         if client is None:
             # No read timeout: the headers wait is bounded below, the body by the relay's stall guard.
             timeout = httpx.Timeout(
@@ -224,6 +226,10 @@ class UpstreamClient:
             limits = httpx.Limits(
                 max_connections=settings.max_inflight, max_keepalive_connections=settings.max_inflight
             )
+            if transport is None:
+                # httpx's own transport, except that a connection with bytes left over after a
+                # response is closed instead of handing those bytes to the next request.
+                transport = GuardedTransport(limits=limits)
             client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
             # httpx's defaults would go out as if the client had sent them: an Accept-Encoding it never
             # asked for (the upstream then compresses, and an encoded stream escapes the relay's
@@ -293,7 +299,8 @@ class UpstreamClient:
 
         ``on_retries_settled`` runs exactly once, after ``prepared.settle()``, whether this
         returns, raises or is cancelled. Exhausted transport failures raise
-        ``UpstreamUnreachable`` or ``UpstreamTimeout``; an exhausted retryable status is returned.
+        ``UpstreamUnreachable`` or ``UpstreamTimeout``; an exhausted retryable status is returned,
+        with ``x-should-retry: false`` (unless ``max_attempts`` is 1) so SDKs do not retry it again.
         The response's ``extensions`` carry ``"asgi_lifetime.attempts"`` and, when it came from
         the network, ``"asgi_lifetime.upstream"`` (the base URL that answered).
         """
@@ -344,6 +351,10 @@ class UpstreamClient:
                     failed.add(base)
                     delay = self._backoff(backoffs, response.headers.get("retry-after"))
                     if not (more and self._clock() + delay <= deadline):
+                        if settings.max_attempts > 1:
+                            # Our retries are spent: an SDK retrying this would multiply them. (With
+                            # MAX_ATTEMPTS=1 the gateway does not retry: retrying is left to the client.)
+                            response.headers.update(NO_CLIENT_RETRY)
                         keep = True
                         return response
                     await response.aclose()  # before sleeping: the connection goes back to the pool
@@ -353,8 +364,8 @@ class UpstreamClient:
                 if not (status in (400, 413) and prepared.refold) and not (status == 400 and prepared.remap_role):
                     keep = True
                     return response
-                captured = await self._read_error(response)
-                await response.aclose()
+                error_body = await self._read_error(response)
+                captured = error_body.data if error_body.decoded else b""
                 more = more and self._clock() < deadline
                 overflow = match_overflow(status, captured) if prepared.refold else None
                 if overflow is not None:
@@ -365,7 +376,7 @@ class UpstreamClient:
                     if rejected is not None and more and self._remap(prepared, rejected, roles_tried, run.attempts):
                         continue
                 keep = True
-                return _replay(response, captured)
+                return replay(response, error_body, self._scrubber, limit=settings.error_body_limit)
             finally:
                 if not keep:
                     with anyio.CancelScope(shield=True):
@@ -395,9 +406,11 @@ class UpstreamClient:
             release()
             raise
         self._pool.mark_up(base)
+        _framed(response, self._scrubber)
         if response.is_closed:  # already complete (e.g. an in-memory transport): nothing in flight
             release()
-            response = _replay(response, response.content)  # read and decoded: hand it on as a stream
+            # Read and decoded: hand it on as a stream.
+            response = replay(response, ErrorBody(response.content, decoded=True), self._scrubber)
         else:
             response.stream = _Tracked(response.stream, release)  # type: ignore[arg-type]
         response.extensions["asgi_lifetime.upstream"] = base
@@ -425,31 +438,11 @@ class UpstreamClient:
             delay = max(delay, min(asked, settings.retry_after_cap))
         return delay
 
-    async def _read_error(self, response: httpx.Response) -> bytes:
-        """Up to ``error_body_limit`` bytes of an error body (decoded), then the response is closed.
-
-        The loop is not left with ``break``: that would abandon httpx's chain of stream
-        generators half-way (trio warns about each). Closing the response instead makes the
-        transport end the chain, and nothing past the limit is kept.
-        """
-        limit = self._settings.error_body_limit
-        captured = bytearray()
-        stopped = False
-        with anyio.move_on_after(self._settings.headers_timeout):
-            try:
-                async for chunk in response.aiter_bytes():
-                    captured += chunk[: limit - len(captured)]
-                    if len(captured) >= limit and not stopped:
-                        stopped = True
-                        await response.aclose()
-            except httpx.HTTPError:
-                pass  # the body broke off: what arrived is the upstream's answer
-            except Exception:
-                if not stopped:
-                    raise
-                # Reading on after the close: however the transport reports it, we are done.
-        await response.aclose()
-        return bytes(captured)
+    async def _read_error(self, response: httpx.Response) -> ErrorBody:
+        """Up to ``error_body_limit`` bytes of an error body, decoded with bounds, each read bounded
+        by ``stall_timeout``; the response is closed whatever happens (see ``_error_body``)."""
+        settings = self._settings
+        return await read_error_body(response, limit=settings.error_body_limit, stall_timeout=settings.stall_timeout)
 
     def _refold(self, prepared: Prepared, window: int | None, attempt: int, status: int) -> bool:
         body = prepared.refold(window) if prepared.refold is not None else None
@@ -484,8 +477,9 @@ class UpstreamClient:
 
     async def capped(self, response: httpx.Response) -> httpx.Response:
         """An error response as the client gets it: at most ``ERROR_BODY_LIMIT`` bytes of its body,
-        read now (the upstream's error page is not streamed through unbounded). Closes ``response``."""
-        return _replay(response, await self._read_error(response))
+        read now (the upstream's error page is not streamed through unbounded), our upstream key
+        scrubbed from it, and an honest gateway error if it is incomplete. Closes ``response``."""
+        return replay(response, await self._read_error(response), self._scrubber, limit=self._settings.error_body_limit)
 
     def _emit(self, event: AttemptEvent) -> None:
         if self._listener is None:

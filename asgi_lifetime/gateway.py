@@ -150,7 +150,12 @@ def create_app(
         ],
         middleware=[
             # Outermost: a stranger is refused before admission or body reading.
-            Middleware(GatewayAuth, gateway_keys=settings.gateway_keys, upstream_api_key=settings.upstream_api_key),
+            Middleware(
+                GatewayAuth,
+                gateway_keys=settings.gateway_keys,
+                upstream_api_key=settings.upstream_api_key,
+                upstream_auth=settings.upstream_auth,
+            ),
             Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=True),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},

@@ -58,6 +58,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "bookkeeping_sessions": ("100", 100),
     "error_body_limit": ("8KiB", 8 * KiB),
     "upstream_api_key": (SECRET, SECRET),
+    "upstream_auth": ("X-API-Key", "x-api-key"),
     "gateway_keys": ("gk-1,gk-2", ("gk-1", "gk-2")),
     "upstream_cooloff": ("1", 1.0),
     "drain_delay": ("0", 0.0),

@@ -434,9 +434,13 @@ async def test_error_body_is_read_up_to_the_limit_only() -> None:
     settings = make_settings(error_body_limit=80)
     async with make_upstream(recorder, settings, transport=mock(handler)) as upstream:
         response = await upstream.forward(prepared, on_retries_settled=recorder.on_settled)
-        assert await response.aread() == b"x" * 80
+        error = json.loads(await response.aread())["error"]
+    # Cut at the limit: not relayed as if complete, but as an honest error carrying what was read.
+    assert error["code"] == "upstream_error_incomplete"
+    assert set(error["upstream_body"]) <= {"x"}  # as much as fits the limit (here: none)
     assert stream.pulled == 3 and stream.closed
     assert "content-encoding" not in response.headers
+    assert response.headers["content-type"] == "application/json"
 
 
 # --- role compatibility ------------------------------------------------------------------------

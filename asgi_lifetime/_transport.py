@@ -1,0 +1,137 @@
+"""The upstream transport: httpx's own, over a connection pool that never reuses a desynchronised connection.
+
+httpcore puts an HTTP/1.1 connection back in its pool as soon as h11 has parsed a complete
+response. Whatever the upstream sent *after* that response (a second response, a body on a
+HEAD/204/304 answer, the bytes past a Content-Length counted in characters) stays in h11's
+buffer, and h11 parses it as the answer to the next request sent on that connection: another
+client gets it. httpcore only notices leftovers that are still unread on the socket when the
+connection is next picked (``has_expired``), never those h11 already buffered.
+
+Here every connection checks, when its response is closed and before the pool can hand it to a
+waiting request, whether anything is left over (buffered by h11, or readable on the socket); if
+so it is closed, never reused (nginx does the same). This uses httpcore internals (the HTTP/1.1
+connection inside ``AsyncHTTPConnection`` and its ``h11.Connection``), so ``pyproject.toml``
+pins httpcore to the 1.0 series; ``tests/test_transport.py`` fails if they move.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import h11
+import httpcore
+import httpx
+
+__all__ = ["GuardedTransport"]
+
+logger = logging.getLogger(__name__)
+
+
+def _leftover(connection: httpcore.AsyncConnectionInterface) -> bool:
+    """Anything after the response that just ended: buffered in h11, or waiting on the socket."""
+    inner = getattr(connection, "_connection", None)  # AsyncHTTPConnection -> AsyncHTTP11Connection
+    state = getattr(inner, "_h11_state", None)
+    if not isinstance(state, h11.Connection):
+        return False  # not HTTP/1.1 (or not connected): nothing of ours to check
+    if state.our_state is not h11.DONE or state.their_state is not h11.DONE:
+        return False  # httpcore closes a connection whose exchange did not complete
+    data, closed = state.trailing_data
+    if data or closed:
+        return True
+    stream = getattr(inner, "_network_stream", None)
+    # An idle HTTP/1.1 connection has nothing to read; readable means extra bytes (or EOF).
+    return bool(stream is not None and stream.get_extra_info("is_readable"))
+
+
+class _CheckedStream:
+    """A response body that, when closed, closes its connection instead of pooling it if bytes are left over."""
+
+    def __init__(self, stream: Any, connection: httpcore.AsyncConnectionInterface) -> None:
+        self._stream = stream
+        self._connection = connection
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        # The inner iterator itself: one more generator in httpx's chain would be one more to
+        # finalize when a read stops early.
+        iterator: AsyncIterator[bytes] = self._stream.__aiter__()
+        return iterator
+
+    async def aclose(self) -> None:
+        # Checked before the inner close marks the connection idle. Between that and our aclose()
+        # below nothing yields, and a request handed the connection meanwhile would find it
+        # closed (ConnectionNotAvailable), which the pool answers by picking another.
+        leftover = _leftover(self._connection)
+        try:
+            if hasattr(self._stream, "aclose"):
+                await self._stream.aclose()
+        finally:
+            if leftover:
+                logger.warning("the upstream sent bytes after a complete response: connection closed, not reused")
+                await self._connection.aclose()
+
+
+class _GuardedConnection(httpcore.AsyncConnectionInterface):
+    """Delegates to httpcore's connection; wraps each response body in ``_CheckedStream``."""
+
+    def __init__(self, connection: httpcore.AsyncConnectionInterface) -> None:
+        self._connection = connection
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        response = await self._connection.handle_async_request(request)
+        return httpcore.Response(
+            status=response.status,
+            headers=response.headers,
+            content=_CheckedStream(response.stream, self._connection),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self._connection.aclose()
+
+    def can_handle_request(self, origin: httpcore.Origin) -> bool:
+        return self._connection.can_handle_request(origin)
+
+    def is_available(self) -> bool:
+        return self._connection.is_available()
+
+    def has_expired(self) -> bool:
+        return self._connection.has_expired()
+
+    def is_idle(self) -> bool:
+        return self._connection.is_idle()
+
+    def is_closed(self) -> bool:
+        return self._connection.is_closed()
+
+    def info(self) -> str:
+        return self._connection.info()
+
+    def __repr__(self) -> str:
+        return f"<guarded {self._connection!r}>"
+
+
+class _GuardedPool(httpcore.AsyncConnectionPool):
+    def create_connection(self, origin: httpcore.Origin) -> httpcore.AsyncConnectionInterface:
+        return _GuardedConnection(super().create_connection(origin))
+
+
+class GuardedTransport(httpx.AsyncHTTPTransport):
+    """``httpx.AsyncHTTPTransport`` (direct connections) whose pooled connections are closed,
+    not reused, when the upstream sent anything after a complete response.
+
+    ```python
+    client = httpx.AsyncClient(transport=GuardedTransport(limits=httpx.Limits(max_connections=64)))
+    ```
+    """
+
+    def __init__(self, *, limits: httpx.Limits, verify: bool = True, trust_env: bool = True) -> None:
+        super().__init__(limits=limits, verify=verify, trust_env=trust_env)
+        plain: httpcore.AsyncConnectionPool = self._pool
+        self._pool = _GuardedPool(
+            ssl_context=plain._ssl_context,
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+        )

@@ -1,0 +1,151 @@
+"""A hostile upstream on a plain loopback socket: it answers each request with scripted raw bytes.
+
+Every request is recorded (method, target, headers, body) before it is answered, so a test can
+check that the upstream saw each request exactly once, and on which connection::
+
+    def answer(request: RawRequest) -> Script:
+        return [b"HTTP/1.1 200 OK\\r\\ncontent-length: 2\\r\\n\\r\\nok"]
+
+    with raw_upstream(answer) as upstream:
+        ...  # point a gateway at upstream.url
+        assert [r.target for r in upstream.requests] == ["/v1/a"]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+# A script step: bytes are written; CLOSE hangs up; HOLD waits (bounded) until the peer hangs up.
+CLOSE = "close"
+HOLD = "hold"
+Script = list[bytes | str]
+_HOLD_LIMIT = 30.0
+
+
+@dataclass
+class RawRequest:
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes
+    connection: int  # which accepted connection (0, 1, ...) carried it
+
+
+@dataclass
+class RawUpstream:
+    url: str
+    requests: list[RawRequest] = field(default_factory=list)
+    connections: int = 0
+    held: threading.Event = field(default_factory=threading.Event)  # a HOLD step is waiting
+    released: threading.Event = field(default_factory=threading.Event)  # its peer hung up
+
+    def targets(self) -> list[str]:
+        return [r.target for r in self.requests]
+
+
+def _read_request(sock: socket.socket, buffer: bytearray) -> tuple[RawRequest | None, bytearray]:
+    while b"\r\n\r\n" not in buffer:
+        data = sock.recv(65536)
+        if not data:
+            return None, buffer
+        buffer += data
+    head, _, rest = bytes(buffer).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    method, target, _ = lines[0].split(" ", 2)
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    body = bytearray(rest)
+    while len(body) < length:
+        data = sock.recv(65536)
+        if not data:
+            return None, bytearray()
+        body += data
+    return RawRequest(method, target, headers, bytes(body[:length]), -1), bytearray(body[length:])
+
+
+@contextlib.contextmanager
+def raw_upstream(answer: Callable[[RawRequest], Script]) -> Iterator[RawUpstream]:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    upstream = RawUpstream(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    stop = threading.Event()
+    lock = threading.Lock()
+    threads: list[threading.Thread] = []
+
+    def serve(sock: socket.socket, number: int) -> None:
+        buffer = bytearray()
+        with sock:
+            sock.settimeout(_HOLD_LIMIT)
+            try:
+                while not stop.is_set():
+                    request, buffer = _read_request(sock, buffer)
+                    if request is None:
+                        return
+                    request.connection = number
+                    with lock:
+                        upstream.requests.append(request)
+                    for step in answer(request):
+                        if step == CLOSE:
+                            return
+                        if step == HOLD:
+                            upstream.held.set()
+                            while sock.recv(65536):
+                                pass
+                            upstream.released.set()
+                            return
+                        assert isinstance(step, bytes)
+                        sock.sendall(step)
+            except OSError:
+                return
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with lock:
+                number = upstream.connections
+                upstream.connections += 1
+            thread = threading.Thread(target=serve, args=(sock, number), daemon=True)
+            threads.append(thread)
+            thread.start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        yield upstream
+    finally:
+        stop.set()
+        acceptor.join(5)
+        listener.close()
+        for thread in threads:
+            thread.join(_HOLD_LIMIT + 5)
+
+
+def response(
+    status: int, body: bytes = b"", *, headers: tuple[tuple[str, str], ...] = (), length: bool = True
+) -> bytes:
+    """Raw response bytes; ``length`` adds a Content-Length matching ``body``."""
+    lines = [f"HTTP/1.1 {status} X"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    if length:
+        lines.append(f"content-length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def chunked(body: bytes, *, size: int = 16) -> bytes:
+    pieces = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in pieces) + b"0\r\n\r\n"

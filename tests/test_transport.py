@@ -1,0 +1,116 @@
+"""Pooled upstream connections never carry one response's leftovers into the next request.
+
+A raw-socket upstream misbehaves in its answer to a first request (a second response after it,
+a body on a HEAD/204/304, a Content-Length counted in characters, more bytes than its
+Content-Length, plain garbage); a second client request follows on what would be the same
+pooled connection. The second client must get the upstream's real answer to ITS request, and
+the upstream must see each request exactly once (no retry caused by the desync).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h11
+import httpcore
+import httpx
+import pytest
+
+from asgi_lifetime._transport import GuardedTransport
+
+from ._raw_upstream import RawRequest, Script, chunked, raw_upstream, response
+from .test_faults import assert_idle, running
+
+pytestmark = pytest.mark.anyio
+
+SECOND = b'{"second": true}'
+TEXT = "h\u00e9llo w\u00f6rld"  # 11 characters, 13 bytes in UTF-8
+
+# name -> (method of the first request, the upstream's raw answer to it, what the first client gets)
+MISBEHAVIOURS: dict[str, tuple[str, bytes, int]] = {
+    "second response after the first": (
+        "POST",
+        response(200, b'{"first": 1}') + response(200, b'{"smuggled": 1}'),
+        200,
+    ),
+    "second chunked response after the first": (
+        "POST",
+        response(200, b'{"first": 1}')
+        + response(200, chunked(b'{"smuggled": 1}'), headers=(("transfer-encoding", "chunked"),), length=False),
+        200,
+    ),
+    "body on a HEAD response": ("HEAD", response(200, b'{"smuggled": 1}'), 200),
+    "body on a 204": ("POST", response(204, b'{"smuggled": 1}'), 204),
+    "body on a 304": ("GET", response(304, b'{"smuggled": 1}'), 304),
+    "content-length counted in characters": (
+        "POST",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n" + TEXT.encode(),
+        200,
+    ),
+    "body longer than its content-length": (
+        "POST",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello, and then some",
+        200,
+    ),
+    "garbage after the response": ("POST", response(200, b'{"first": 1}') + b"garbage\r\n\r\n", 200),
+}
+
+
+def script(first: bytes) -> Any:
+    def answer(request: RawRequest) -> Script:
+        if request.target.startswith("/v1/first"):
+            return [first]
+        return [response(200, SECOND, headers=(("content-type", "application/json"),))]
+
+    return answer
+
+
+@pytest.mark.parametrize("case", list(MISBEHAVIOURS))
+async def test_leftover_bytes_never_reach_the_next_request(case: str) -> None:
+    method, first, status = MISBEHAVIOURS[case]
+    with raw_upstream(script(first)) as upstream, running(upstream_url=upstream.url) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+            one = await client.request(method, "/v1/first", **({"json": {}} if method == "POST" else {}))
+            two = await client.post("/v1/second", json={})
+        await assert_idle(stack.app, stack.url)
+    assert one.status_code == status
+    assert two.status_code == 200 and two.content == SECOND
+    assert upstream.targets() == ["/v1/first", "/v1/second"]  # each seen once: no retry
+    # The connection with leftovers was closed, not reused.
+    assert upstream.requests[1].connection != upstream.requests[0].connection
+
+
+async def test_a_clean_response_keeps_its_connection_pooled() -> None:
+    # The guard must not cost keep-alive: a well-behaved upstream keeps one connection.
+    with raw_upstream(script(response(200, b'{"first": 1}'))) as upstream, running(upstream_url=upstream.url) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+            for _ in range(3):
+                assert (await client.post("/v1/first", json={})).status_code == 200
+            assert (await client.post("/v1/second", json={})).content == SECOND
+        await assert_idle(stack.app, stack.url)
+    assert upstream.connections == 1
+    assert {r.connection for r in upstream.requests} == {0}
+
+
+async def test_guarded_transport_directly() -> None:
+    """The transport on its own (no gateway): the same guarantee for any httpx user of it."""
+    first = response(200, b"one") + response(200, b"smuggled")
+    with raw_upstream(script(first)) as upstream:
+        transport = GuardedTransport(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+        async with httpx.AsyncClient(transport=transport, base_url=upstream.url) as client:
+            assert (await client.post("/v1/first")).content == b"one"
+            assert (await client.post("/v1/second")).content == SECOND
+    assert upstream.targets() == ["/v1/first", "/v1/second"]
+
+
+def test_httpcore_internals_the_guard_relies_on() -> None:
+    """If httpcore moves these, _transport.py silently stops checking: fail here instead."""
+    pool = httpcore.AsyncConnectionPool()
+    connection = pool.create_connection(httpcore.Origin(b"http", b"127.0.0.1", 80))
+    assert isinstance(connection, httpcore.AsyncHTTPConnection)
+    assert hasattr(connection, "_connection")
+    source = httpcore.AsyncHTTP11Connection.__init__.__code__.co_names
+    assert "_h11_state" in source and "_network_stream" in source
+    assert hasattr(h11.Connection, "trailing_data")
+    transport = GuardedTransport(limits=httpx.Limits())
+    assert hasattr(transport._pool, "_ssl_context")
