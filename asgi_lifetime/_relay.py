@@ -20,7 +20,8 @@ Guards, for ``text/event-stream`` without a ``content-encoding`` (an *in-band* s
   inside it, nothing can be appended without completing a half event, so the response is
   left unfinished (the server closes the connection; clients report a broken connection);
 - keep-alive comments while the upstream is quiet, an ``event: error`` when it stalls or
-  breaks, or ends in the middle of an event (``bad_gateway``);
+  breaks, or ends in the middle of an event (``bad_gateway``; for a recognised format that
+  already sent its terminal event the unfinished tail is only dropped, the answer is whole);
 - starvation, judged only for formats ``SSETracker`` recognises (OpenAI chat completions,
   OpenAI Responses, Anthropic Messages, Gemini): a stream that ends without a terminal
   event, or with nothing to show for it (see ``SSETracker.starved``), ends with an
@@ -329,9 +330,11 @@ class _Relay:
                 continue
             async with self.lock:
                 await self._flush_withheld()
-            if self.passthrough or tracker.parser.mid_event:
+            if self.passthrough or (tracker.parser.mid_event and not tracker.judged):
                 # Per the SSE rules an unfinished last event is not an event: it is dropped (or, if
-                # it is streaming through, the response is cut), and the client is told the stream broke.
+                # it is streaming through, the response is cut), and the client is told the stream
+                # broke. (A judged stream that gets here has had its terminal event: the answer is
+                # whole, and the unfinished tail is just dropped, as a client would drop it.)
                 logger.warning("upstream stream ended in the middle of an event")
                 await self._fail(UpstreamError("the upstream stream ended in the middle of an event"))
                 return "upstream_error"

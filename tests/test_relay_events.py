@@ -274,6 +274,22 @@ async def test_whole_streams_of_every_format_pass_unjudged_or_complete(name: str
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("ending", list(ENDINGS))
+@pytest.mark.parametrize("name", list(STREAMS))
+async def test_clean_end_inside_an_event_after_a_whole_stream(name: str, ending: str) -> None:
+    # A recognised format has had its terminal event: the answer is whole and the unfinished
+    # tail (which no client would dispatch) is dropped. Any other format cannot tell: error event.
+    events, judged = STREAMS[name]
+    eol = ENDINGS[ending]
+    raw = render(events, eol)
+    tail = b'data: {"note": "after the' if ending != "lf" else b"data: [DONE]" + eol
+    client, result, reissue, _ = await _relay([raw, tail])
+    check_stream(client.body, events, None if judged else "bad_gateway")
+    assert client.body == raw if judged else client.body[len(raw) :].startswith(b"event: error\n")
+    assert result.outcome == ("complete" if judged else "upstream_error") and reissue.calls == 0
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("name", [name for name, (_, judged) in STREAMS.items() if not judged])
 async def test_unknown_formats_are_never_reissued_even_without_their_done_event(name: str) -> None:
     # Before: a transcription/image/speech stream was judged starved (no "terminal"), re-issued
