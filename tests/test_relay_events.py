@@ -23,13 +23,12 @@ import termios
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import httpx
-import openai
 import pytest
 
 from asgi_lifetime._relay import EVENT_HOLD_LIMIT, relay
@@ -626,83 +625,3 @@ async def test_socket_cut_inside_an_event_over_the_hold_is_a_broken_connection(
     ]
     assert upstream.hits[key] == 1
     await assert_idle(stack.app, stack.url)
-
-
-# -- the official openai SDK over real sockets (how issue 9 was found) ----------------------------
-
-
-@contextlib.asynccontextmanager
-async def sdk(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="test", max_retries=0, timeout=10) as client:
-        yield client
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("kind", ["reset", "incomplete", "stall"])
-async def test_sdk_chat_stream_cut_mid_event_raises_the_gateways_error(
-    gateway: tuple[Stack, RawUpstream], kind: str
-) -> None:
-    # Before: the half event, completed by the gateway's newline, made the SDK fail to decode JSON.
-    stack, upstream = gateway
-    events, _ = STREAMS["chat"]
-    raw = render(events)
-    key = upstream.add(Script(raw[: cut_offset(events, 2, "mid-line", b"\n")], kind))
-    chunks: list[Any] = []
-    async with sdk(stack) as client:
-        stream = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], stream=True, extra_headers={"x-script": key}
-        )
-        with pytest.raises(openai.APIError) as info:
-            async for chunk in stream:
-                chunks.append(chunk)
-    assert not isinstance(info.value, openai.APIConnectionError)
-    assert "upstream" in info.value.message
-    assert [chunk.choices[0].delta.content for chunk in chunks] == ["", "Hello there"]
-    assert upstream.hits[key] == 1
-
-
-@pytest.mark.anyio
-async def test_sdk_streamed_transcription_is_read_once(gateway: tuple[Stack, RawUpstream]) -> None:
-    stack, upstream = gateway
-    events, _ = STREAMS["transcription"]
-    key = upstream.add(Script(render(events), "end"))
-    async with sdk(stack) as client:
-        stream = await client.audio.transcriptions.create(
-            file=("a.wav", b"RIFF\x00\x00\x00\x00WAVE", "audio/wav"),
-            model="gpt-4o-transcribe",
-            stream=True,
-            extra_headers={"x-script": key},
-        )
-        kinds = [event.type async for event in stream]
-    assert kinds == ["transcript.text.delta", "transcript.text.delta", "transcript.text.done"]
-    assert upstream.hits[key] == 1
-
-
-@pytest.mark.anyio
-async def test_sdk_streamed_image_generation_is_read_once(gateway: tuple[Stack, RawUpstream]) -> None:
-    stack, upstream = gateway
-    events, _ = STREAMS["image"]
-    key = upstream.add(Script(render(events), "end"))
-    async with sdk(stack) as client:
-        stream = await client.images.generate(
-            model="gpt-image-1", prompt="a dot", stream=True, partial_images=2, extra_headers={"x-script": key}
-        )
-        kinds = [event.type async for event in stream]
-    assert kinds == ["image_generation.partial_image", "image_generation.partial_image", "image_generation.completed"]
-    assert upstream.hits[key] == 1
-
-
-@pytest.mark.anyio
-async def test_sdk_responses_stream_with_a_large_image_is_read_once(gateway: tuple[Stack, RawUpstream]) -> None:
-    # Before: re-issued for the >1 MiB event; the SDK raised "Duplicate response output index 0".
-    stack, upstream = gateway
-    key = upstream.add(Script(render(image_tool_stream(1536 * 1024)), "end", pieces=40))
-    async with sdk(stack) as client:
-        async with client.responses.stream(
-            model="m", input="a dot", tools=[{"type": "image_generation"}], extra_headers={"x-script": key}
-        ) as stream:
-            kinds = [event.type async for event in stream]
-            final = await stream.get_final_response()
-    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
-    assert final.status == "completed"
-    assert upstream.hits[key] == 1
