@@ -10,10 +10,27 @@ anything that fails before the first byte becomes a proper JSON error response::
 
 Guards, for ``text/event-stream`` without a ``content-encoding`` (an *in-band* stream):
 
-- keep-alive comments while the upstream is quiet, an ``event: error`` when it stalls;
-- starvation: a stream that ends without a terminal event, or with nothing to show for
-  it (see ``SSETracker.starved``), is re-issued once via ``reissue`` if the client has seen
-  no content yet, and otherwise ends with an ``upstream_starved`` error event.
+- whole events only: the bytes of the event still being received are held (at most
+  ``EVENT_HOLD_LIMIT``, the parser's ``MAX_BUFFER``, 1 MiB, so that every event the guard can
+  read is also one it can withdraw) and sent when its blank line arrives. So the client's
+  parser is always between events: keep-alive comments and the gateway's ``event: error`` go
+  there, and an upstream that breaks, stalls or ends in the middle of an event leaves no half
+  event behind (the held part is dropped, as a browser drops an unfinished last event).
+  An event larger than the hold is streamed through as it arrives; if the upstream fails
+  inside it, nothing can be appended without completing a half event, so the response is
+  left unfinished (the server closes the connection; clients report a broken connection);
+- keep-alive comments while the upstream is quiet, an ``event: error`` when it stalls or
+  breaks, or ends in the middle of an event (``bad_gateway``; for a recognised format that
+  already sent its terminal event the unfinished tail is only dropped, the answer is whole);
+- starvation, judged only for formats ``SSETracker`` recognises (OpenAI chat completions,
+  OpenAI Responses, Anthropic Messages, Gemini): a stream that ends without a terminal
+  event, or with nothing to show for it (see ``SSETracker.starved``), ends with an
+  ``upstream_starved`` error event. Any other event stream (transcription, image, speech
+  events, custom ones) is output as soon as it has one event; only an event-less stream is
+  starved. A starving terminal (``[DONE]`` with nothing before it) is held back (at most
+  ``_WITHHOLD_LIMIT``) so that the error event replaces it. A starved stream is re-issued
+  once via ``reissue`` only if the client has received no upstream event at all
+  (keep-alives and comments do not count), so a client never gets an answer twice.
 
 Other streams only get the stall guard (the body just ends). The upstream response is
 closed whatever happens, cancellation included.
@@ -40,10 +57,10 @@ from ._exceptions import (
     UpstreamTimeout,
 )
 from ._json import JSONDecodeFailure, loads
-from ._sse import SSETracker, classify, sse_event
+from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, classify, sse_event
 from ._stats import Counters
 
-__all__ = ["HOP_BY_HOP", "Outcome", "RelayResult", "collect_text", "filter_headers", "relay"]
+__all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "Outcome", "RelayResult", "collect_text", "filter_headers", "relay"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +86,11 @@ _SERVER_SET = frozenset({b"date", b"server"})
 
 # Bounded time for closing an upstream response, even when the caller is being cancelled.
 _CLOSE_TIMEOUT = 5.0
-# Bytes held back after a terminal event that would count as starvation (see _Relay._on_chunk).
-_HOLD_LIMIT = 64 * 1024
+# The unfinished event held back from the client (see the module docstring): the same bound as
+# what the SSE parser keeps of one event, so an event it can read is one the relay can withdraw.
+EVENT_HOLD_LIMIT = MAX_BUFFER
+# Whole events held back after a terminal event that would count as starvation (see _Relay._release).
+_WITHHOLD_LIMIT = 64 * 1024
 _COLLECT_LIMIT = 64 * 1024 * 1024
 _CLIENT_DISCONNECTED_STATUS = 499
 
@@ -181,10 +201,13 @@ class _Relay:
         self.inband = False
         self.tracker: SSETracker | None = None
         self.guarded = False  # in-band and 2xx: the starvation guard applies
-        self.hold_ok = False
-        self.held: list[bytes] = []
-        self.held_size = 0
-        self.held_prefix = b""
+        self.hold_ok = False  # starving terminals may still be withheld
+        self.tail: list[bytes] = []  # the unfinished event, not sent yet
+        self.tail_size = 0
+        self.passthrough = False  # the client is inside an event too large to hold
+        self.withheld: list[bytes] = []  # whole events held back after a starving terminal
+        self.withheld_size = 0
+        self.delivered = False  # the client has received (part of) an upstream event
         # Keep-alive bookkeeping: is the main task waiting on the upstream, and when did the client last get bytes.
         self.waiting = False
         self.last_sent = anyio.current_time()
@@ -225,7 +248,7 @@ class _Relay:
             for upstream in self.responses:
                 await _close(upstream)
             self.responses.clear()
-            self.held.clear()
+            self._drop_held()
         if self.disconnected:
             outcome = "client_disconnected"
         status = self.status or _CLIENT_DISCONNECTED_STATUS
@@ -259,14 +282,12 @@ class _Relay:
                     await anyio.sleep(delay)
                     continue
                 async with self.lock:
-                    # Checked under the lock: the main task feeds the tracker and sends under it too.
-                    keepalive = None
-                    if self.waiting and self.inband and self.tracker is not None and not self.held:
-                        keepalive = self.tracker.parser.keepalive_bytes()
-                    if keepalive is not None:
-                        await self._send_body(keepalive)
+                    # Checked under the lock: the main task sends under it too. Only whole events
+                    # were sent, so the client is between events unless one is streaming through.
+                    if self.waiting and self.inband and not self.passthrough:
+                        await self._send_body(KEEPALIVE)
                         continue
-                # Not safe now (client busy, mid-line): look again after another interval.
+                # Not safe now (client busy, inside an event): look again after another interval.
                 await anyio.sleep(self.keepalive_interval)
         except Exception as exc:
             self.helper_error = exc
@@ -287,55 +308,82 @@ class _Relay:
             self.start = {"type": "http.response.start", "status": response.status_code, "headers": headers}
         self.tracker = SSETracker() if self.inband else None
         self.guarded = self.hold_ok = self.inband and 200 <= response.status_code < 300
-        self.held.clear()
-        self.held_size = 0
+        self._drop_held()
 
     async def _relay(self, response: httpx.Response) -> Outcome:
         while True:
-            try:
-                await self._pump(response)
-            except _Stalled:
-                if self.counters is not None:
-                    self.counters.stalled += 1
-                logger.warning("upstream stalled: no data for %gs", self.stall_timeout)
-                await self._fail(UpstreamStalled(f"the upstream sent no data for {self.stall_timeout:g} seconds"))
-                return "stalled"
-            except httpx.ReadTimeout:
-                await self._fail(UpstreamTimeout("the upstream read timed out"))
-                return "upstream_error"
-            except httpx.TransportError as exc:
-                logger.warning("upstream read failed: %s", type(exc).__name__)
-                await self._fail(
-                    UpstreamError(f"the upstream connection failed while sending the response ({type(exc).__name__})")
-                )
-                return "upstream_error"
-
+            failed = await self._read(response)
+            if failed is not None:
+                return failed
             tracker = self.tracker
-            if tracker is None or not self.guarded or not tracker.starved:
+            if tracker is None or not self.guarded:
+                # Not judged: the body is the upstream's (an error status's body is read whole, not as events).
                 async with self.lock:
-                    await self._flush_held()
-                    await self._send_body(b"", more_body=False)
+                    self.tail, tail = [], self.tail
+                    await self._send_body(b"".join(tail), more_body=False)
                 return "upstream_error" if tracker is not None and tracker.saw_error else "complete"
+            if tracker.starved and not self.passthrough:
+                next_response = await self._starved(response, tracker)
+                if next_response is None:
+                    return "starved"
+                response = next_response
+                continue
+            async with self.lock:
+                await self._flush_withheld()
+            if self.passthrough or (tracker.parser.mid_event and not tracker.judged):
+                # Per the SSE rules an unfinished last event is not an event: it is dropped (or, if
+                # it is streaming through, the response is cut), and the client is told the stream
+                # broke. (A judged stream that gets here has had its terminal event: the answer is
+                # whole, and the unfinished tail is just dropped, as a client would drop it.)
+                logger.warning("upstream stream ended in the middle of an event")
+                await self._fail(UpstreamError("the upstream stream ended in the middle of an event"))
+                return "upstream_error"
+            async with self.lock:
+                await self._send_body(b"", more_body=False)
+            return "upstream_error" if tracker.saw_error else "complete"
 
+    async def _read(self, response: httpx.Response) -> Outcome | None:
+        """Relay ``response`` until it ends: None when it ended cleanly, else the outcome of its failure."""
+        try:
+            await self._pump(response)
+        except _Stalled:
             if self.counters is not None:
-                self.counters.starved += 1
-            logger.warning(
-                "upstream starved: terminal=%s content=%s malformed=%s",
-                tracker.saw_terminal,
-                tracker.saw_content,
-                tracker.malformed,
+                self.counters.stalled += 1
+            logger.warning("upstream stalled: no data for %gs", self.stall_timeout)
+            await self._fail(UpstreamStalled(f"the upstream sent no data for {self.stall_timeout:g} seconds"))
+            return "stalled"
+        except httpx.ReadTimeout:
+            await self._fail(UpstreamTimeout("the upstream read timed out"))
+            return "upstream_error"
+        except httpx.TransportError as exc:
+            logger.warning("upstream read failed: %s", type(exc).__name__)
+            await self._fail(
+                UpstreamError(f"the upstream connection failed while sending the response ({type(exc).__name__})")
             )
-            if tracker.saw_content:
-                message = "the upstream stream ended without a terminal event; the output may be incomplete"
-            else:
-                message = "the upstream produced no output"
-            if not tracker.saw_content and self.reissue is not None and not self.reissued:
-                next_response = await self._reissue(response, self.reissue)
-                if next_response is not None:
-                    response = next_response
-                    continue
-            await self._fail(StarvationError(message))
-            return "starved"
+            return "upstream_error"
+        return None
+
+    async def _starved(self, response: httpx.Response, tracker: SSETracker) -> httpx.Response | None:
+        """Re-issue a starved stream if allowed (the response to continue with), else end with the error event."""
+        if self.counters is not None:
+            self.counters.starved += 1
+        logger.warning(
+            "upstream starved: format=%s terminal=%s content=%s",
+            tracker.format.name if tracker.format is not None else None,
+            tracker.saw_terminal,
+            tracker.saw_content,
+        )
+        if tracker.saw_content:
+            message = "the upstream stream ended without a terminal event; the output may be incomplete"
+        else:
+            message = "the upstream produced no output"
+        # Only a client that has no upstream event yet can be given a second answer instead.
+        if not self.delivered and self.reissue is not None and not self.reissued:
+            next_response = await self._reissue(response, self.reissue)
+            if next_response is not None:
+                return next_response
+        await self._fail(StarvationError(message))
+        return None
 
     async def _reissue(
         self, response: httpx.Response, reissue: Callable[[], Awaitable[httpx.Response | None]]
@@ -344,12 +392,7 @@ class _Relay:
         self.reissued = True
         await _close(response)
         async with self.lock:
-            # Drop held bytes and end whatever event the starved stream left open; the client's
-            # parser is then at an event boundary, which a fresh tracker describes.
-            prefix = self._resync_prefix()
-            if prefix and self.started:
-                await self._send_body(prefix)
-            self.tracker = SSETracker()
+            self._drop_held()  # the client saw none of it, and is between events
         self.waiting = True  # keep-alives continue while the new request is under way
         try:
             new = await reissue()
@@ -398,52 +441,82 @@ class _Relay:
             await _aclose_iterator(iterator)
 
     async def _on_chunk(self, chunk: bytes) -> None:
+        """Send the whole events ``chunk`` completes; hold the unfinished one (or stream it through if too large)."""
         tracker = self.tracker
         if tracker is None:
             await self._send_body(chunk)
             return
-        armed = self.hold_ok and not tracker.saw_content
-        prefix = tracker.parser.resync_prefix() if armed and not self.held else b""
-        tracker.feed(chunk)
-        if armed and not tracker.saw_content and (self.held or (tracker.saw_terminal and tracker.starved)):
-            # A terminal event with no content and no natural stop: if the stream ends like this
-            # it starved, and the client must get the error event (or the re-issued stream), not
-            # this terminal. Hold it back until the stream ends; bounded.
-            if self.held_size + len(chunk) <= _HOLD_LIMIT:
-                if not self.held:
-                    self.held_prefix = prefix
-                self.held.append(chunk)
-                self.held_size += len(chunk)
+        completed = tracker.feed(chunk)
+        cut = tracker.parser.boundary  # chunk[:cut] ends a whole event; -1: it ends none
+        if self.passthrough:
+            await self._send_body(chunk if cut < 0 else chunk[:cut])
+            self.passthrough = cut < 0
+        elif cut >= 0:
+            await self._release(tracker, self._take_tail() + chunk[:cut], completed)
+        if cut < 0 and self.passthrough:
+            return
+        rest = chunk if cut < 0 else chunk[cut:]
+        if rest:
+            self.tail.append(rest)
+            self.tail_size += len(rest)
+        if self.tail_size > EVENT_HOLD_LIMIT:
+            # An event larger than the hold: stream it through. From now until its end the client
+            # is inside it, and nothing (keep-alive, error event, second answer) can be added.
+            await self._flush_withheld()
+            self.hold_ok = False
+            self.passthrough = self.delivered = True
+            await self._send_body(self._take_tail())
+
+    async def _release(self, tracker: SSETracker, events: bytes, completed: int) -> None:
+        """Send whole events, unless they follow a terminal that would count as starvation."""
+        if self.hold_ok and not tracker.saw_content and (self.withheld or (tracker.saw_terminal and tracker.starved)):
+            # If the stream ends like this it starved, and the client must get the error event
+            # (or the re-issued stream), not this terminal. Held until the stream ends; bounded.
+            if self.withheld_size + len(events) <= _WITHHOLD_LIMIT:
+                self.withheld.append(events)
+                self.withheld_size += len(events)
                 return
             self.hold_ok = False
-        await self._flush_held()
-        await self._send_body(chunk)
+        await self._flush_withheld()
+        if events:
+            await self._send_body(events)
+            self.delivered = self.delivered or completed > 0
 
-    async def _flush_held(self) -> None:
-        held, self.held = self.held, []
-        self.held_size = 0
-        for chunk in held:
-            await self._send_body(chunk)
+    def _take_tail(self) -> bytes:
+        tail, self.tail = self.tail, []
+        self.tail_size = 0
+        return b"".join(tail)
 
-    def _resync_prefix(self) -> bytes:
-        """Bytes that end whatever event the client's parser is inside, discarding held bytes."""
-        if self.held:
-            self.held.clear()
-            self.held_size = 0
-            return self.held_prefix
-        if self.tracker is not None:
-            return self.tracker.parser.resync_prefix()
-        return b"\n\n"
+    async def _flush_withheld(self) -> None:
+        withheld, self.withheld = self.withheld, []
+        self.withheld_size = 0
+        if withheld:
+            self.delivered = True  # withheld bytes hold at least the terminal event
+            await self._send_body(b"".join(withheld))
+
+    def _drop_held(self) -> None:
+        """Forget what the client has not seen: the unfinished event and withheld events."""
+        self.tail.clear()
+        self.tail_size = 0
+        self.withheld.clear()
+        self.withheld_size = 0
 
     async def _fail(self, exc: LifetimeError) -> None:
         """End the client response because of ``exc``: a JSON error if nothing was sent yet."""
         async with self.lock:
+            self._drop_held()
             if not self.started:
                 self.start, body = exc.asgi_response()
-                self.held.clear()
                 await self._send_body(body, more_body=False)
+            elif self.passthrough:
+                # The client is inside an event: an error event would complete a half event. Leave the
+                # response unfinished instead: the server closes the connection, the client sees it cut off.
+                logger.warning(
+                    "ending the response abruptly: the upstream failed inside an event of over %d bytes",
+                    EVENT_HOLD_LIMIT,
+                )
             elif self.inband:
-                await self._send_body(self._resync_prefix() + sse_event("error", exc.to_dict()), more_body=False)
+                await self._send_body(sse_event("error", exc.to_dict()), more_body=False)
             elif self.declared is not None and self.bytes_out >= self.declared:
                 await self._send_body(b"", more_body=False)  # everything promised was sent
             else:

@@ -2,11 +2,16 @@
 
 ``SSEParser`` turns raw bytes into ``SSEEvent`` values as they arrive: ``\\n``, ``\\r\\n``
 and ``\\r`` line endings, split anywhere across chunks, comments, multi-line ``data``,
-``event``/``id``/``retry`` fields, a leading BOM. Its buffer is capped: an upstream that
-never ends a line (or an event) marks the stream *malformed* and parsing stops.
+``event``/``id``/``retry`` fields, a leading BOM. It also reports where the byte stream
+stands: after each ``feed`` the offset of the last *event boundary* in the chunk (the relay
+forwards whole events only), and whether an event is unfinished.
 
-``SSETracker`` feeds the parser and classifies each event (``classify``) for the relay's
-starvation guard::
+Memory is bounded by ``limit`` (``MAX_BUFFER``): a line or an event's ``data`` larger than
+that is not kept. Such an event is still delimited exactly and dispatched, with
+``oversized=True`` and its data left out; a large event is legitimate (a base64 image),
+never a reason to judge the stream broken.
+
+``SSETracker`` feeds the parser and judges the stream for the relay's starvation guard::
 
     tracker = SSETracker()
     for chunk in chunks:
@@ -14,41 +19,53 @@ starvation guard::
     if tracker.starved:
         ...  # ended without a terminal event, or with nothing to show for it
 
-An event can be *content* (a non-empty text / tool-call / reasoning delta), *terminal*
-(``[DONE]``, a ``finish_reason``, ``stop_reason``, ``message_stop``, ``response.completed``
-...) and, when terminal, a *natural stop* (the terminal names a normal reason such as
-``stop``, ``length``, ``end_turn``) or an *error* (the upstream said why it failed).
+The stream's format is recognised from its first event: each provider has a detector
+(``_is_chat``, ``_is_responses``, ``_is_anthropic``, ``_is_gemini``) and its own classifier,
+and the first event with a JSON object (other than an error or a ping) picks one, or none.
+Only a recognised format is judged event by event. An event can be *content* (a non-empty
+text / tool-call / reasoning delta), *terminal* (``[DONE]``, a ``finish_reason``,
+``stop_reason``, ``message_stop``, ``response.completed`` ...) and, when terminal, a
+*natural stop* (the terminal names a normal reason such as ``stop``, ``length``,
+``end_turn``) or an *error* (the upstream said why it failed). Any other stream
+(transcription, image or speech events, a custom format), and a stream once it carried an
+oversized event, is output as soon as it has one event: only an event-less stream starves.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ._json import JSONDecodeFailure, dumps, loads
 
 __all__ = [
+    "FORMATS",
     "KEEPALIVE",
     "MAX_BUFFER",
     "EventClass",
     "SSEEvent",
     "SSEParser",
     "SSETracker",
+    "StreamFormat",
     "classify",
     "classify_data",
+    "detect_format",
     "sse_event",
 ]
 
 KEEPALIVE = b": keep-alive\n\n"
-# A partial line plus the data lines of the event being assembled may not exceed this.
+# The most of one line, or of one event's data, that is kept; a larger event is dispatched
+# without its data (``SSEEvent.oversized``).
 MAX_BUFFER = 1024 * 1024
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _TEXT_LINE_END = re.compile(r"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
 _ERROR_MESSAGE_LIMIT = 500
+# What is kept of a line over the limit: enough to tell a comment or a ``data`` field.
+_HEAD = 16
 
 # Terminal reasons that mean "the model stopped normally" (or a filter stopped it and said
 # so). A terminal event with one of these is never starvation, even with no content.
@@ -81,111 +98,134 @@ _ANTHROPIC_DELTA_FIELDS = {"text_delta": "text", "input_json_delta": "partial_js
 
 @dataclass(frozen=True, slots=True)
 class SSEEvent:
-    """One dispatched event. ``event`` defaults to ``"message"``; ``data`` lines are joined by ``\\n``."""
+    """One dispatched event. ``event`` defaults to ``"message"``; ``data`` lines are joined by ``\\n``.
+
+    ``oversized``: the data was larger than the parser's limit and was not kept (``data`` is ``""``).
+    """
 
     data: str
     event: str = "message"
     id: str | None = None
     retry: int | None = None
+    oversized: bool = False
 
 
 class SSEParser:
     """Incremental SSE parser following the WHATWG event-stream rules (bytes in, events out).
 
     An event still being assembled when the stream ends is not dispatched, as in browsers.
+    ``boundary`` (after each ``feed``) and ``at_boundary`` / ``mid_event`` say where the byte
+    stream stands, so that a relay can forward whole events only and inject its own (keep-alive
+    comments, error events) where a client's parser is between events.
     """
 
-    __slots__ = ("_buf", "_data", "_data_size", "_event", "_id", "_retry", "_skip_lf", "_first", "malformed", "limit")
+    __slots__ = (
+        "limit",
+        "boundary",
+        "_buf",
+        "_line_size",
+        "_fields",
+        "_data",
+        "_data_size",
+        "_oversized",
+        "_event",
+        "_id",
+        "_retry",
+        "_skip_lf",
+        "_first",
+    )
 
     def __init__(self, *, limit: int = MAX_BUFFER) -> None:
         if limit < 1:
             raise ValueError(f"limit={limit} is invalid: must be at least 1")
         self.limit = limit
-        self.malformed = False
-        self._buf = bytearray()
+        self.boundary = -1
+        self._buf = bytearray()  # the unfinished line; only its first _HEAD bytes once it is over the limit
+        self._line_size = 0  # bytes of the unfinished line, kept or not
+        self._fields = False  # a field line was read since the last blank line
         self._data: list[str] = []
         self._data_size = 0
+        self._oversized = False  # the event being assembled has more data than the limit
         self._event: str | None = None
         self._id: str | None = None
         self._retry: int | None = None
         self._skip_lf = False  # the last byte was \r: a \n starting the next chunk belongs to it
         self._first = True
 
+    @property
+    def at_boundary(self) -> bool:
+        """Between events: no line and no event is unfinished.
+
+        Bytes sent up to here are whole events, and a comment or an event injected here is
+        parsed by a client as itself. (After a final ``\\r`` the upstream's ``\\n`` may still
+        follow: a client that got an injected line in between reads it as an empty line, which
+        dispatches nothing.)
+        """
+        return not self._line_size and not self._fields
+
+    @property
+    def mid_event(self) -> bool:
+        """An event has begun (a field line, or a partial line that is not a comment) and has not ended."""
+        return self._fields or (self._line_size > 0 and self._buf[:1] != b":")
+
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        """Parse ``chunk`` and return the events it completed. A malformed stream returns nothing."""
-        if self.malformed or not chunk:
-            return []
+        """Parse ``chunk`` and return the events it completed.
+
+        Afterwards ``boundary`` is the offset in ``chunk`` just after its last event boundary
+        (0 if only its start is one, -1 if none is): ``chunk[:boundary]`` ends a whole event.
+        """
+        self.boundary = 0 if self.at_boundary else -1
         events: list[SSEEvent] = []
         pos = 0
-        if self._skip_lf:
+        if self._skip_lf and chunk:
             self._skip_lf = False
             if chunk[:1] == b"\n":
                 pos = 1
+                self._mark(pos)
         for match in _LINE_END.finditer(chunk, pos):
-            if self._buf:
-                self._buf += chunk[pos : match.start()]
-                line = bytes(self._buf)
-                self._buf.clear()
-            else:
-                line = chunk[pos : match.start()]
+            line, over = self._take(chunk, pos, match.start())
             pos = match.end()
-            if len(line) + self._data_size > self.limit:
-                self._set_malformed()
-                return events
-            event = self._line(line)
+            event = self._line(line, over)
             if event is not None:
                 events.append(event)
+            self._mark(pos)
         if pos < len(chunk):
-            if len(self._buf) + len(chunk) - pos + self._data_size > self.limit:
-                self._set_malformed()
-                return events
-            self._buf += chunk[pos:]
+            self._keep(chunk, pos)
         elif chunk[-1:] == b"\r":
             self._skip_lf = True
         return events
 
-    # Where the byte stream stands, so that bytes injected between upstream chunks (keep-alives,
-    # error events) cannot change how a client parses what the upstream sent.
+    def _mark(self, pos: int) -> None:
+        if self.at_boundary:
+            self.boundary = pos
 
-    @property
-    def in_line(self) -> bool:
-        """A line has started and not ended (or parsing stopped, so the position is unknown)."""
-        return self.malformed or bool(self._buf)
+    def _keep(self, chunk: bytes, start: int) -> None:
+        """Keep the start of a line that continues in the next chunk (bounded by the limit)."""
+        size = self._line_size + len(chunk) - start
+        if size <= self.limit:
+            self._buf += memoryview(chunk)[start:]
+        else:
+            if len(self._buf) < _HEAD:
+                self._buf += memoryview(chunk)[start : start + _HEAD - len(self._buf)]
+            del self._buf[_HEAD:]
+        self._line_size = size
 
-    @property
-    def in_event(self) -> bool:
-        """Fields of an event were read and no blank line has dispatched it yet."""
-        return bool(self._data) or self._event is not None
+    def _take(self, chunk: bytes, start: int, end: int) -> tuple[bytes, bool]:
+        """The line ending at ``end``, and whether it was over the limit (then only its head)."""
+        size = self._line_size + end - start
+        self._line_size = 0
+        if size > self.limit:
+            head = (bytes(self._buf) + chunk[start : start + _HEAD])[:_HEAD]
+            self._buf.clear()
+            return head, True
+        if not self._buf:
+            return chunk[start:end], False
+        self._buf += memoryview(chunk)[start:end]
+        line = bytes(self._buf)
+        self._buf.clear()
+        return line, False
 
-    def keepalive_bytes(self) -> bytes | None:
-        """Bytes that keep the connection warm without disturbing the stream, or None if there are none.
-
-        Between events: ``KEEPALIVE``. Inside an event, at a line start: a comment line (a blank
-        line would dispatch the event early). Inside a line, or right after a ``\\r`` inside an
-        event (the upstream's ``\\n`` may still follow): nothing is safe.
-        """
-        if self.in_line:
-            return None
-        if not self.in_event:
-            return KEEPALIVE
-        return None if self._skip_lf else b": keep-alive\n"
-
-    def resync_prefix(self) -> bytes:
-        """Bytes that bring a client's parser to an event boundary before an injected event."""
-        if self.in_line:
-            return b"\n\n"
-        if not self.in_event:
-            return b""
-        # A lone \n after \r would complete the upstream's \r\n instead of ending the event.
-        return b"\n\n" if self._skip_lf else b"\n"
-
-    def _set_malformed(self) -> None:
-        self.malformed = True
-        self._buf = bytearray()
-        self._data = []
-        self._data_size = 0
-
-    def _line(self, line: bytes) -> SSEEvent | None:
+    def _line(self, line: bytes, over: bool) -> SSEEvent | None:
         if self._first:
             self._first = False
             if line.startswith(_BOM):
@@ -194,12 +234,25 @@ class SSEParser:
             return self._dispatch()
         if line[:1] == b":":
             return None
+        self._fields = True
+        if over:
+            # A field too large to keep: only data matters (the event is dispatched without it).
+            if line.partition(b":")[0] == b"data":
+                self._overflow()
+            return None
         name, colon, value = line.decode("utf-8", "replace").partition(":")
         if colon and value.startswith(" "):
             value = value[1:]
+        self._field(name, value)
+        return None
+
+    def _field(self, name: str, value: str) -> None:
         if name == "data":
-            self._data.append(value)
             self._data_size += len(value) + 1
+            if self._data_size > self.limit:
+                self._overflow()
+            elif not self._oversized:
+                self._data.append(value)
         elif name == "event":
             self._event = value
         elif name == "id":
@@ -208,17 +261,22 @@ class SSEParser:
         elif name == "retry":
             if value.isascii() and value.isdigit():
                 self._retry = int(value)
-        return None
+
+    def _overflow(self) -> None:
+        self._oversized = True
+        self._data = []
 
     def _dispatch(self) -> SSEEvent | None:
+        self._fields = False
         event_type, self._event = self._event, None
-        if not self._data:
+        oversized, self._oversized = self._oversized, False
+        self._data_size = 0
+        if not (self._data or oversized):
             return None
         data = "\n".join(self._data)
         self._data = []
-        self._data_size = 0
         retry, self._retry = self._retry, None
-        return SSEEvent(data=data, event=event_type or "message", id=self._id, retry=retry)
+        return SSEEvent(data=data, event=event_type or "message", id=self._id, retry=retry, oversized=oversized)
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,27 +390,32 @@ def _responses_object(acc: _Accumulator, response: dict[str, Any]) -> None:
             acc.content = True
 
 
-def classify(event: str, payload: Any) -> EventClass:
-    """Classify one parsed payload: a streamed chunk/event, or a complete JSON response object.
-
-    Covers OpenAI chat/completions, OpenAI Responses, Anthropic Messages and Gemini.
-    """
-    acc = _Accumulator()
-    if event == "error":
-        acc.error = True
-    if not isinstance(payload, dict):
-        if acc.error:
-            acc.message = "the upstream reported an error"
-        return acc.result()
+def _kind(payload: dict[str, Any]) -> str:
     kind = payload.get("type")
-    kind = kind if isinstance(kind, str) else ""
+    return kind if isinstance(kind, str) else ""
 
-    if kind == "error" or payload.get("error") is not None or acc.error:
-        acc.error = True
-        acc.message = _error_message(payload.get("error")) or "the upstream reported an error"
-        return acc.result()
 
-    # OpenAI chat completions / legacy completions, streamed chunks and complete objects.
+def _error_class(event: str, payload: Any) -> EventClass | None:
+    """An upstream error event, in any format: ``event: error``, ``"type": "error"`` or an ``error`` member."""
+    if isinstance(payload, dict):
+        if event == "error" or _kind(payload) == "error" or payload.get("error") is not None:
+            message = _error_message(payload.get("error")) or "the upstream reported an error"
+            return EventClass(terminal=True, error=True, message=message)
+        return None
+    if event == "error":
+        return EventClass(terminal=True, error=True, message="the upstream reported an error")
+    return None
+
+
+# -- one detector and one classifier per provider -------------------------------------------------
+
+
+def _is_chat(event: str, payload: dict[str, Any]) -> bool:
+    """OpenAI chat completions (and legacy completions): chunks and complete objects have ``choices``."""
+    return isinstance(payload.get("choices"), list)
+
+
+def _chat(event: str, payload: dict[str, Any], acc: _Accumulator) -> None:
     for choice in _dicts(payload.get("choices")):
         acc.stop(choice.get("finish_reason"), _OPENAI_NATURAL)
         for key in ("delta", "message"):
@@ -360,10 +423,52 @@ def classify(event: str, payload: Any) -> EventClass:
                 _openai_message(acc, choice[key])
         acc.add_text(choice.get("text"))
 
-    # Anthropic Messages.
+
+def _is_responses(event: str, payload: dict[str, Any]) -> bool:
+    """OpenAI Responses: ``response.*`` events, or a complete ``"object": "response"``."""
+    return (
+        _kind(payload).startswith("response.") or event.startswith("response.") or payload.get("object") == "response"
+    )
+
+
+def _responses(event: str, payload: dict[str, Any], acc: _Accumulator) -> None:
+    kind = _kind(payload)
+    if kind in ("response.completed", "response.incomplete"):
+        acc.terminal = acc.natural = True
+    elif kind == "response.failed":
+        acc.error = True
+        acc.message = _error_message(_dict(payload.get("response")).get("error")) or "the upstream response failed"
+    elif kind == "response.output_text.delta":
+        acc.add_text(payload.get("delta"))
+    elif kind in _RESPONSES_CONTENT_DELTAS:
+        acc.content = acc.content or _nonempty_str(payload.get("delta"))
+    if payload.get("object") == "response":
+        _responses_object(acc, payload)
+
+
+_ANTHROPIC_EVENTS = frozenset(
+    {
+        "message_start",
+        "message_delta",
+        "message_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+    }
+)
+
+
+def _is_anthropic(event: str, payload: dict[str, Any]) -> bool:
+    """Anthropic Messages: its event types (as ``type`` or event name), a complete message, a ``stop_reason``."""
+    kind = _kind(payload)
+    return kind in _ANTHROPIC_EVENTS or kind == "message" or event in _ANTHROPIC_EVENTS or "stop_reason" in payload
+
+
+def _anthropic(event: str, payload: dict[str, Any], acc: _Accumulator) -> None:
     acc.stop(payload.get("stop_reason"), _ANTHROPIC_NATURAL)
     for key in ("delta", "message"):
         acc.stop(_dict(payload.get(key)).get("stop_reason"), _ANTHROPIC_NATURAL)
+    kind = _kind(payload)
     if kind == "message_stop" or event == "message_stop":
         acc.terminal = acc.natural = True
     elif kind == "content_block_delta":
@@ -379,20 +484,17 @@ def classify(event: str, payload: Any) -> EventClass:
         for block in _dicts(payload.get("content")):
             _anthropic_block(acc, block)
 
-    # OpenAI Responses: streamed events, and the complete response object.
-    if kind in ("response.completed", "response.incomplete"):
-        acc.terminal = acc.natural = True
-    elif kind == "response.failed":
-        acc.error = True
-        acc.message = _error_message(_dict(payload.get("response")).get("error")) or "the upstream response failed"
-    elif kind == "response.output_text.delta":
-        acc.add_text(payload.get("delta"))
-    elif kind in _RESPONSES_CONTENT_DELTAS:
-        acc.content = acc.content or _nonempty_str(payload.get("delta"))
-    if payload.get("object") == "response":
-        _responses_object(acc, payload)
 
-    # Gemini generateContent / streamGenerateContent.
+def _is_gemini(event: str, payload: dict[str, Any]) -> bool:
+    """Gemini generateContent / streamGenerateContent: ``candidates``, ``promptFeedback``, ``usageMetadata``."""
+    return (
+        isinstance(payload.get("candidates"), list)
+        or isinstance(payload.get("promptFeedback"), dict)
+        or isinstance(payload.get("usageMetadata"), dict)
+    )
+
+
+def _gemini(event: str, payload: dict[str, Any], acc: _Accumulator) -> None:
     for candidate in _dicts(payload.get("candidates")):
         acc.stop(candidate.get("finishReason"), _GEMINI_NATURAL)
         for part in _dicts(_dict(candidate.get("content")).get("parts")):
@@ -405,38 +507,96 @@ def classify(event: str, payload: Any) -> EventClass:
     if _dict(payload.get("promptFeedback")).get("blockReason") is not None:
         acc.terminal = acc.natural = True  # the prompt was refused, and the upstream said so
 
+
+@dataclass(frozen=True, slots=True)
+class StreamFormat:
+    """A provider's format: ``detect`` recognises one of its events, ``classify`` reads it into an accumulator."""
+
+    name: str
+    detect: Callable[[str, dict[str, Any]], bool]
+    classify: Callable[[str, dict[str, Any], _Accumulator], None]
+
+
+# The formats the guards judge, in the order they are tried.
+FORMATS: tuple[StreamFormat, ...] = (
+    StreamFormat("openai-chat", _is_chat, _chat),
+    StreamFormat("openai-responses", _is_responses, _responses),
+    StreamFormat("anthropic-messages", _is_anthropic, _anthropic),
+    StreamFormat("gemini", _is_gemini, _gemini),
+)
+
+
+def detect_format(event: str, payload: Any) -> StreamFormat | None:
+    """The format whose detector recognises this event (name and parsed data), or None."""
+    if not isinstance(payload, dict):
+        return None
+    return next((fmt for fmt in FORMATS if fmt.detect(event, payload)), None)
+
+
+def classify(event: str, payload: Any, fmt: StreamFormat | None = None) -> EventClass:
+    """Classify one parsed payload: a streamed chunk/event, or a complete JSON response object.
+
+    Errors are recognised in any format. Anything else is read with ``fmt``'s rules, or with
+    those of the format it is recognised as (OpenAI chat/completions, OpenAI Responses,
+    Anthropic Messages, Gemini); in no known format it tells nothing.
+    """
+    error = _error_class(event, payload)
+    if error is not None:
+        return error
+    if fmt is None:
+        fmt = detect_format(event, payload)
+    if fmt is None or not isinstance(payload, dict):
+        return _NOTHING
+    acc = _Accumulator()
+    fmt.classify(event, payload, acc)
     return acc.result()
 
 
-def classify_data(event: str, data: str) -> EventClass:
-    """Classify one SSE event from its name and ``data`` text."""
-    if data.strip() == "[DONE]":
-        return _DONE
-    payload: Any = None
+def _payload(data: str) -> Any:
     stripped = data.lstrip()
     if stripped.startswith(("{", "[")):
         try:
-            payload = loads(stripped.encode())
+            return loads(stripped.encode())
         except JSONDecodeFailure:
-            payload = None
-    return classify(event, payload)
+            return None
+    return None
+
+
+def _is_done(data: str) -> bool:
+    return data.strip() == "[DONE]"
+
+
+def classify_data(event: str, data: str, fmt: StreamFormat | None = None) -> EventClass:
+    """Classify one SSE event from its name and ``data`` text (see ``classify``)."""
+    if _is_done(data):
+        return _DONE
+    return classify(event, _payload(data), fmt)
 
 
 class SSETracker:
     """Feed raw upstream chunks; tracks whether the stream showed content and ended properly.
 
-    ``starved`` resolves "no terminal, or no content" like this: an upstream error event is
-    never starvation (the upstream said why); a stream without a terminal event always is;
-    a terminal with no content is starvation unless some terminal named a natural stop
-    (``finish_reason: "stop"``, ``stop_reason: "end_turn"``, ``message_stop``...). So
-    ``[DONE]`` alone is starvation, but ``finish_reason: "stop"`` and then ``[DONE]`` is an
-    (empty) natural stop.
+    The first event with a JSON object (not an error, not ``{"type": "ping"}``) fixes the
+    format (``format``; None if no detector recognises it), and later events are read with
+    that format's rules. ``starved`` resolves "no terminal, or no content" like this: an
+    upstream error event is never starvation (the upstream said why); a stream without any
+    event (``[DONE]`` does not count) always is. A stream that is not ``judged`` (no known
+    format, or an ``oversized`` event the rules cannot read) is output once it has an event.
+    A judged stream without a terminal event is starvation; a terminal with no content is
+    starvation unless some terminal named a natural stop (``finish_reason: "stop"``,
+    ``stop_reason: "end_turn"``, ``message_stop``...). So ``[DONE]`` alone is starvation, but
+    ``finish_reason: "stop"`` and then ``[DONE]`` is an (empty) natural stop.
     """
 
     __slots__ = (
         "_parser",
         "_keep_text",
         "_text",
+        "_decided",
+        "format",
+        "events",
+        "saw_event",
+        "saw_oversized",
         "saw_content",
         "saw_terminal",
         "saw_natural_stop",
@@ -448,6 +608,11 @@ class SSETracker:
         self._parser = SSEParser(limit=limit)
         self._keep_text = keep_text
         self._text: list[str] = []
+        self._decided = False
+        self.format: StreamFormat | None = None
+        self.events = 0  # events dispatched so far
+        self.saw_event = False  # an event other than [DONE], an error or a ping
+        self.saw_oversized = False
         self.saw_content = False
         self.saw_terminal = False
         self.saw_natural_stop = False
@@ -459,13 +624,16 @@ class SSETracker:
         return self._parser
 
     @property
-    def malformed(self) -> bool:
-        return self._parser.malformed
+    def judged(self) -> bool:
+        """The stream is in a recognised format and every event so far could be read."""
+        return self.format is not None and not self.saw_oversized
 
     @property
     def starved(self) -> bool:
         if self.saw_error:
             return False
+        if not self.judged:
+            return not self.saw_event
         if not self.saw_terminal:
             return True
         return not (self.saw_content or self.saw_natural_stop)
@@ -475,12 +643,39 @@ class SSETracker:
         """The visible text so far (only with ``keep_text=True``)."""
         return "".join(self._text)
 
-    def feed(self, chunk: bytes) -> None:
-        for event in self._parser.feed(chunk):
+    def feed(self, chunk: bytes) -> int:
+        """Parse and judge ``chunk``; returns the number of events it completed."""
+        events = self._parser.feed(chunk)
+        for event in events:
             self.observe(event)
+        return len(events)
 
     def observe(self, event: SSEEvent) -> EventClass:
-        kind = classify_data(event.event, event.data)
+        self.events += 1
+        if event.oversized:
+            # Too large to read: real output, in whatever format; the rules stop here.
+            self.saw_oversized = self.saw_event = self._decided = True
+            return _NOTHING
+        if _is_done(event.data):
+            kind = _DONE
+        else:
+            payload = _payload(event.data)
+            kind = _error_class(event.event, payload) or self._classify(event.event, payload)
+        self._record(kind)
+        return kind
+
+    def _classify(self, name: str, payload: Any) -> EventClass:
+        if isinstance(payload, dict) and _kind(payload) == "ping":
+            return _NOTHING  # a keep-alive in event form: neither output nor a sign of the format
+        self.saw_event = True
+        if not self._decided:
+            self._decided = True
+            self.format = detect_format(name, payload)
+        if self.format is None or self.saw_oversized:
+            return _NOTHING
+        return classify(name, payload, self.format)
+
+    def _record(self, kind: EventClass) -> None:
         if kind.content:
             self.saw_content = True
             if self._keep_text and kind.text:
@@ -492,7 +687,6 @@ class SSETracker:
         if kind.error and not self.saw_error:
             self.saw_error = True
             self.error_message = kind.message
-        return kind
 
 
 def sse_event(event: str, data: Mapping[str, Any]) -> bytes:

@@ -215,8 +215,11 @@ async def test_keepalives_arrive_during_a_silence_shorter_than_the_stall_timeout
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("retain", "requests"), [(True, 2), (False, 1)])
-async def test_starved_stream(retain: bool, requests: int) -> None:
+@pytest.mark.parametrize("retain", [True, False])
+async def test_starved_stream(retain: bool) -> None:
+    # The demo's starved stream sends its role event first: once an upstream event reached the
+    # client, a second answer cannot follow, so it is not re-issued even with the body retained.
+    requests = 1
     async with stack(retain_outbound=retain) as (served, client):
         async with client.stream("POST", PATH, json=chat(), headers=behaviour("starve")) as response:
             assert response.status_code == 200

@@ -6,12 +6,14 @@ from typing import Any
 import pytest
 
 from asgi_lifetime._sse import (
+    FORMATS,
     KEEPALIVE,
     SSEEvent,
     SSEParser,
     SSETracker,
     classify,
     classify_data,
+    detect_format,
     sse_event,
 )
 
@@ -95,63 +97,104 @@ def test_partial_event_at_end_is_not_dispatched() -> None:
     assert parse(b"data: [DONE]\n") == []
 
 
-def test_line_length_cap_marks_malformed_and_bounds_memory() -> None:
+def test_oversized_event_is_dispatched_without_its_data_and_memory_is_bounded() -> None:
     parser = SSEParser(limit=1000)
     assert parser.feed(b"data: ok\n\ndata: ") == [SSEEvent(data="ok")]
     for _ in range(50):
         assert parser.feed(b"x" * 100) == []
-    assert parser.malformed
-    assert len(parser._buf) == 0 and parser._data == []
-    # Parsing stopped for good: even well-formed events are not seen any more.
-    assert parser.feed(b"\n\ndata: later\n\n") == []
+        assert len(parser._buf) <= 1000
+    assert len(parser._buf) <= 16  # only the head of a line over the limit is kept
+    assert parser.mid_event and not parser.at_boundary
+    # Parsing goes on: the large event ends at its blank line, and later events are seen.
+    assert parser.feed(b"\n\ndata: later\n\n") == [SSEEvent(data="", oversized=True), SSEEvent(data="later")]
+    assert parser.at_boundary
 
 
-def test_cap_applies_to_a_long_line_inside_one_chunk() -> None:
+def test_oversized_line_inside_one_chunk() -> None:
     parser = SSEParser(limit=100)
-    assert parser.feed(b"data: " + b"y" * 200 + b"\n\n") == []
-    assert parser.malformed
+    events = parser.feed(b"event: big\ndata: " + b"y" * 200 + b"\n\ndata: after\n\n")
+    assert events == [SSEEvent(data="", event="big", oversized=True), SSEEvent(data="after")]
 
 
-def test_cap_applies_to_many_data_lines_without_a_blank_line() -> None:
+def test_many_data_lines_over_the_limit_make_one_oversized_event() -> None:
     parser = SSEParser(limit=1000)
     for _ in range(200):
-        parser.feed(b"data: 0123456789\n")
-    assert parser.malformed
+        assert parser.feed(b"data: 0123456789\n") == []
     assert parser._data == []
+    assert parser.feed(b"\n") == [SSEEvent(data="", oversized=True)]
 
 
-def test_invalid_limit() -> None:
-    with pytest.raises(ValueError, match="limit=0"):
-        SSEParser(limit=0)
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
+def test_oversized_comment_and_other_fields_are_dropped_not_dispatched(ending: bytes) -> None:
+    parser = SSEParser(limit=50)
+    raw = b":" + b"c" * 100 + ending + b"event: " + b"n" * 100 + ending + b"data: x" + ending + ending
+    # The over-long name is not kept (the default applies); the event itself is whole.
+    assert parser.feed(raw) == [SSEEvent(data="x")]
 
 
-@pytest.mark.parametrize(
-    ("fed", "keepalive", "prefix"),
-    [
-        (b"", KEEPALIVE, b""),
-        (b"data: a\n\n", KEEPALIVE, b""),
-        (b"data: a\r\r", KEEPALIVE, b""),
-        (b"data: a\n", b": keep-alive\n", b"\n"),
-        (b"event: x\n", b": keep-alive\n", b"\n"),
-        (b"data: a\r", None, b"\n\n"),
-        (b'data: {"cho', None, b"\n\n"),
-    ],
-)
-def test_injection_points(fed: bytes, keepalive: bytes | None, prefix: bytes) -> None:
+# Where the parser says the stream stands after these bytes (fed to a new parser, whose start
+# is a boundary): the offset of the last boundary in them, and whether an event is unfinished.
+BOUNDARIES = [
+    (b"", 0, False),
+    (b"data: a\n\n", 9, False),
+    (b"data: a\r\r", 9, False),
+    (b"data: a\r\n\r\n", 11, False),
+    (b"data: a\r\n\r", 10, False),  # a CR alone ends the blank line: the event is complete
+    (b"data: a\n", 0, True),
+    (b"event: x\n", 0, True),
+    (b"data: a\r", 0, True),
+    (b'data: {"cho', 0, True),
+    (b"data: a\n\ndata: b", 9, True),
+    (b"data: a\n\n: keep-", 9, False),  # a partial comment line: not at a boundary, but no event
+    (b": ping\n", 7, False),
+    (b"data: a\n\n: ping\n\ndata", 17, True),
+]
+
+
+@pytest.mark.parametrize(("fed", "boundary", "mid_event"), BOUNDARIES)
+def test_boundaries(fed: bytes, boundary: int, mid_event: bool) -> None:
     parser = SSEParser()
     parser.feed(fed)
-    assert parser.keepalive_bytes() == keepalive
-    assert parser.resync_prefix() == prefix
-    # Whatever the state, prefix + an injected event is parsed as that event, alone.
-    events = parser.feed(prefix + sse_event("error", {"error": {"code": "x"}}))
-    assert events[-1] == SSEEvent(data='{"error":{"code":"x"}}', event="error")
+    assert parser.boundary == boundary
+    assert parser.mid_event is mid_event
+    assert parser.at_boundary is (boundary == len(fed))
+    # What is before the boundary is whole events, and an event injected there is parsed alone.
+    if boundary > 0:
+        client = SSEParser()
+        dispatched = client.feed(fed[:boundary])
+        assert client.at_boundary
+        injected = client.feed(sse_event("error", {"error": {"code": "x"}}))
+        assert injected == [SSEEvent(data='{"error":{"code":"x"}}', event="error", id=None)]
+        assert dispatched == SSEParser().feed(fed[:boundary] + b"\n\n")
 
 
-def test_malformed_parser_injects_nothing() -> None:
-    parser = SSEParser(limit=10)
-    parser.feed(b"data: 0123456789")
-    assert parser.keepalive_bytes() is None
-    assert parser.resync_prefix() == b"\n\n"
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 11])
+def test_boundaries_over_every_split_keep_whole_events(size: int) -> None:
+    # Sending only up to each boundary (as the relay does) yields the same events as the whole stream.
+    parser = SSEParser()
+    sent = b""
+    pending = b""
+    for i in range(0, len(STREAM), size):
+        chunk = STREAM[i : i + size]
+        parser.feed(chunk)
+        if parser.boundary >= 0:
+            sent += pending + chunk[: parser.boundary]
+            pending = chunk[parser.boundary :]
+        else:
+            pending += chunk
+        client = SSEParser()
+        client.feed(sent)
+        assert client.at_boundary or sent.endswith(b"\r")
+    assert parse(sent) == EXPECTED
+    assert pending == b"data: unterminated at the end"
+
+
+def test_crlf_split_after_the_cr_of_a_blank_line() -> None:
+    parser = SSEParser()
+    assert parser.feed(b"data: a\r\n\r") == [SSEEvent(data="a")]
+    assert parser.at_boundary
+    parser.feed(b"\ndata: b")
+    assert parser.boundary == 1  # the LF belongs to the CR before it
 
 
 def test_sse_event_round_trip() -> None:
@@ -430,10 +473,87 @@ def test_tracker_error_is_terminal_not_content() -> None:
     assert not tracker.starved
 
 
-def test_malformed_tracker_without_terminal_is_starved() -> None:
+def test_oversized_event_stops_the_judging() -> None:
     tracker = SSETracker(limit=200)
     tracker.feed(frames((M, chat(content="Hi"))))
-    tracker.feed(b"data: " + b"x" * 300)
-    tracker.feed(b"\n\n" + frames((M, chat_finish("stop")), (M, "[DONE]")))
-    assert tracker.malformed and tracker.saw_content and not tracker.saw_terminal
+    assert tracker.judged and tracker.starved
+    tracker.feed(b"data: " + b"x" * 300 + b"\n\n")
+    assert tracker.saw_oversized and not tracker.judged
+    assert not tracker.starved  # output too large to read is output: never a broken stream
+
+
+def ev(kind: str, **fields: Any) -> tuple[str, Any]:
+    return kind, {"type": kind, **fields}
+
+
+# Streams in formats the guard does not judge: any event is output, whatever follows.
+UNJUDGED = {
+    "transcription": frames(ev("transcript.text.delta", delta="Hel"), ev("transcript.text.done", text="Hello")),
+    "transcription-data-only": frames((M, {"type": "transcript.text.delta", "delta": "Hi"})),
+    "image": frames(
+        ev("image_generation.partial_image", b64_json="AAAA", partial_image_index=0),
+        ev("image_generation.completed", b64_json="AAAA"),
+    ),
+    "speech": frames(ev("speech.audio.delta", audio="AAAA"), ev("speech.audio.done", usage={})),
+    "custom": frames(("tick", {"n": 1}), ("tick", {"n": 2})),
+    "plain-text": frames((M, "hello")),
+    # The first event fixes the format: a later chat-like event does not make it judged.
+    "custom-then-chat-like": frames(("tick", {"n": 1}), (M, chat(role="assistant"))),
+    "only-first-event": frames(ev("transcript.text.delta", delta="")),
+}
+
+
+@pytest.mark.parametrize("raw", list(UNJUDGED.values()), ids=list(UNJUDGED))
+def test_unrecognised_formats_are_output(raw: bytes) -> None:
+    tracker = SSETracker()
+    for i in range(0, len(raw), 3):
+        tracker.feed(raw[i : i + 3])
+    assert tracker.format is None and not tracker.judged
+    assert not tracker.starved
+
+
+EVENTLESS = {
+    "empty": b"",
+    "comments": b": ping\n\n",
+    "done-only": frames((M, "[DONE]")),
+    "ping-only": frames(("ping", {"type": "ping"})),
+    "unfinished-first-event": b'data: {"type": "transcript.text.delta", "delta": "Hi"}\n',
+}
+
+
+@pytest.mark.parametrize("raw", list(EVENTLESS.values()), ids=list(EVENTLESS))
+def test_eventless_streams_are_starved_in_any_format(raw: bytes) -> None:
+    tracker = SSETracker()
+    tracker.feed(raw)
     assert tracker.starved
+
+
+@pytest.mark.parametrize(
+    ("event", "payload", "name"),
+    [
+        ("message", chat(role="assistant"), "openai-chat"),
+        ("message", {"choices": [], "usage": {}}, "openai-chat"),
+        ("response.created", {"type": "response.created", "response": {}}, "openai-responses"),
+        ("message", {"object": "response", "status": "completed"}, "openai-responses"),
+        ("message_start", {"type": "message_start", "message": {}}, "anthropic-messages"),
+        ("message", {"type": "message", "content": []}, "anthropic-messages"),
+        ("message", gemini([{"text": "Hi"}]), "gemini"),
+        ("message", {"usageMetadata": {"totalTokenCount": 3}}, "gemini"),
+        ("transcript.text.delta", {"type": "transcript.text.delta", "delta": "x"}, None),
+        ("message", {"type": "image_generation.partial_image"}, None),
+        ("message", {"type": "speech.audio.delta", "audio": ""}, None),
+        ("message", {"anything": 1}, None),
+        ("message", "not json", None),
+    ],
+)
+def test_detect_format(event: str, payload: Any, name: str | None) -> None:
+    fmt = detect_format(event, payload)
+    assert (fmt.name if fmt is not None else None) == name
+    assert [f.name for f in FORMATS] == ["openai-chat", "openai-responses", "anthropic-messages", "gemini"]
+
+
+def test_a_ping_does_not_fix_the_format() -> None:
+    tracker = SSETracker()
+    tracker.feed(frames(("ping", {"type": "ping"}), (M, chat(role="assistant"))))
+    assert tracker.format is not None and tracker.format.name == "openai-chat"
+    assert tracker.starved  # judged: no content, no terminal
