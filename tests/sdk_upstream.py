@@ -60,7 +60,9 @@ class Fault:
     ``status``: answer with this error status and a provider-shaped body (``message``, ``code``),
     plus ``headers``. ``cut_after``: send this many events, then drop the connection (with
     ``half=True`` it first sends the first half of the next event). ``stall_after``: send this many
-    events, then go silent until the peer hangs up (bounded by ``STALL_BOUND``).
+    events, then go silent until the peer hangs up (bounded by ``STALL_BOUND``). ``hold``: wait this
+    long before answering at all (no headers), or until the peer hangs up. ``error_after``: send this
+    many events, then the provider's in-band error event (``message``, ``code``), and end the stream.
     """
 
     status: int | None = None
@@ -70,6 +72,8 @@ class Fault:
     cut_after: int | None = None
     half: bool = False
     stall_after: int | None = None
+    hold: float | None = None
+    error_after: int | None = None
 
 
 class _Cut(Exception):
@@ -174,8 +178,19 @@ class ScriptedUpstream:
     async def _start(self, request: Request) -> tuple[dict[str, Any], Fault | None]:
         body = await request.body()
         fault = self._arrived(request, len(body))
+        await self._hold(request, fault)
         document: dict[str, Any] = json.loads(body) if body else {}
         return document, fault
+
+    async def _hold(self, request: Request, fault: Fault | None) -> None:
+        """Answer nothing for ``fault.hold`` seconds; a peer hanging up meanwhile is counted."""
+        if fault is None or fault.hold is None:
+            return
+        with anyio.move_on_after(fault.hold):
+            # The body was read: the next message is the disconnect.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self._count(request.url.path, "disconnects")
 
     # --- endpoints -------------------------------------------------------------------------------
 
@@ -204,6 +219,7 @@ class ScriptedUpstream:
     async def _transcriptions(self, request: Request) -> Response:
         body = await request.body()
         fault = self._arrived(request, len(body))
+        await self._hold(request, fault)
         # The SDK sends multipart/form-data; the one field that matters here is ``stream``
         # (starlette's form parser would need python-multipart, which is not a dependency).
         stream = b'name="stream"\r\n\r\ntrue' in body
@@ -289,6 +305,10 @@ class _ScriptedStream(Response):
     async def _body(self, send: Send) -> None:
         fault = self.fault or Fault()
         for index, (name, data) in enumerate(self.events):
+            if fault.error_after == index:
+                frame = sse_frame(*error_event(self.path, fault))
+                await send({"type": "http.response.body", "body": frame, "more_body": False})
+                return
             frame = sse_frame(name, data)
             if fault.cut_after == index:
                 if fault.half:
@@ -344,6 +364,17 @@ def anthropic_error(fault: Fault) -> Response:
         "request_id": "req_scripted",
     }
     return JSONResponse(body, status_code=status, headers={"request-id": "req_scripted", **fault.headers})
+
+
+def error_event(path: str, fault: Fault) -> tuple[str | None, Any]:
+    """The in-band error each API sends when a stream fails after it started."""
+    if path == ANTHROPIC_PATH:
+        return "error", {"type": "error", "error": {"type": "overloaded_error", "message": fault.message}}
+    if path == "/v1/responses":
+        error = {"type": "error", "code": fault.code, "message": fault.message, "param": None, "sequence_number": 99}
+        return "error", error
+    # Chat completions and the audio/image streams: a data-only ``{"error": {...}}`` event.
+    return None, {"error": {"message": fault.message, "type": "server_error", "param": None, "code": fault.code}}
 
 
 # --- OpenAI chat -------------------------------------------------------------------------------------

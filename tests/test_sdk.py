@@ -49,6 +49,7 @@ SETTINGS: dict[str, Any] = {
     "keepalive_interval": 5.0,
 }
 SDK_TIMEOUT = 20.0
+STALL_SECONDS = 10.0  # how long a held upstream waits for the gateway to hang up
 GAUGES = ("inflight_requests", "inflight_bytes", "retained_input_bytes", "live_resources", "pinned_sessions")
 HELLO = [{"role": "user", "content": "hello"}]
 AUDIO = ("speech.wav", b"RIFF" + bytes(4000), "audio/wav")
@@ -759,4 +760,96 @@ def test_happy_paths_under_hypercorn(backend: str, name: str) -> None:
     with serving_hypercorn(backend) as served:
         path = HAPPY[name](served)
         once(served, path)
+        served.wait_idle()
+
+
+# --- more of what an SDK user meets ---------------------------------------------------------------
+
+
+def test_responses_create_with_a_large_image(served: Served) -> None:
+    """A non-streamed answer > 1 MiB is relayed as it is."""
+    response = served.openai().responses.create(model="gpt-test", input="draw", tools=IMAGE_TOOL)
+    assert getattr(response.output[0], "result", None) == up.BIG_IMAGE_B64
+    once(served, RESPONSES)
+    served.wait_idle()
+
+
+def test_sdk_timeout_before_headers_cancels_the_upstream_request(served: Served) -> None:
+    served.upstream.fail(CHAT, Fault(hold=STALL_SECONDS))
+    client = served.openai(timeout=0.5, max_retries=0)
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model="gpt-test", messages=HELLO)
+    settle(lambda: served.upstream.seen(CHAT).disconnects == 1, what=lambda: str(served.upstream.seen(CHAT)))
+    once(served, CHAT)
+    served.wait_idle()
+
+
+def test_gateway_timeout_exhausted_is_not_retried_again_by_the_sdk() -> None:
+    """The gateway's own 504 (no headers within HEADERS_TIMEOUT, MAX_ATTEMPTS times): the SDK must not multiply it."""
+    with serving(headers_timeout=0.3) as served:
+        served.upstream.fail(CHAT, Fault(hold=STALL_SECONDS), times=None)
+        with pytest.raises(openai.APIStatusError) as caught:
+            served.openai().chat.completions.create(model="gpt-test", messages=HELLO)
+        assert caught.value.status_code == 504 and caught.value.code == "upstream_timeout"
+        requests = served.upstream.seen(CHAT).requests
+        assert requests <= MAX_ATTEMPTS, f"the upstream was asked {requests} times for one SDK call"
+        assert served.stats()["admitted"] == 1
+        served.wait_idle()
+
+
+def test_gateway_unreachable_upstream_is_not_retried_again_by_the_sdk() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        gateway = create_app(LifetimeSettings(upstream_url=(dead,), **SETTINGS))
+        with serve_in_thread(gateway) as url, _closing(Served(ScriptedUpstream(), gateway, url)) as served:
+            with pytest.raises(openai.APIStatusError) as caught:
+                served.openai().chat.completions.create(model="gpt-test", messages=HELLO)
+            assert caught.value.status_code == 502 and caught.value.code == "upstream_unreachable"
+            assert served.stats()["admitted"] == 1, "the SDK re-sent a request the gateway had already retried"
+            served.wait_idle()
+
+
+@pytest.mark.parametrize("where", ["first", "after-content"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_upstream_inband_error_reaches_the_sdk_and_is_not_resent(served: Served, name: str, where: str) -> None:
+    case = CASES[name]
+    after = 0 if where == "first" else case.content_at + 1
+    served.upstream.fail(case.path, Fault(error_after=after, message="the model is overloaded", code="overloaded"))
+    received: list[Any] = []
+    with pytest.raises(Exception) as caught:  # noqa: B017  (the type is the assertion below)
+        for event in case.open(served):
+            received.append(event)
+            if getattr(event, "type", None) == "error":  # the Responses API's error event is an event
+                raise openai.APIError(event.message, request=None, body=event.to_dict())  # type: ignore[arg-type]
+    assert isinstance(caught.value, (openai.APIError, anthropic.APIError)), repr(caught.value)
+    assert "the model is overloaded" in str(caught.value)
+    once(served, case.path)
+    served.wait_idle()
+
+
+def test_gateway_error_on_the_anthropic_path_has_the_anthropic_shape() -> None:
+    """A 413 the gateway itself answers on /v1/messages: the Anthropic SDK expects ``{"type": "error", ...}``."""
+    with serving(max_body_bytes=2048, max_inflight_bytes=4096) as served:
+        with pytest.raises(anthropic.RequestTooLargeError) as caught:
+            served.anthropic().messages.create(
+                model="claude-test", max_tokens=64, messages=[{"role": "user", "content": "x" * 4096}]
+            )
+        body = caught.value.body
+        assert isinstance(body, dict) and isinstance(body.get("error"), dict)
+        assert body["error"].get("message") and body["error"].get("type")
+        assert body.get("type") == "error", f"OpenAI-shaped error on an Anthropic path: {body}"
+        assert served.upstream.total_requests() == 0
+
+
+def test_closing_a_stream_midway_under_hypercorn_trio_leaves_nothing_behind() -> None:
+    """The gateway on trio: a client hanging up mid-stream closes the upstream and leaves no generator to the GC."""
+    with serving_hypercorn("trio") as served:
+        served.upstream.fail(CHAT, Fault(stall_after=4))
+        stream = served.openai().chat.completions.create(model="gpt-test", messages=HELLO, stream=True)
+        for _ in stream:
+            break
+        stream.close()
+        settle(lambda: served.upstream.seen(CHAT).disconnects == 1, what=lambda: str(served.upstream.seen(CHAT)))
+        once(served, CHAT)
         served.wait_idle()
