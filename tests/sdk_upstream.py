@@ -126,6 +126,9 @@ class ScriptedUpstream:
                 Route("/v1/images/generations", self._images, methods=["POST"]),
                 Route("/v1/audio/speech", self._speech, methods=["POST"]),
                 Route("/v1/messages", self._messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/models/{model}", self._model, methods=["GET"]),
             ]
         )
 
@@ -258,6 +261,25 @@ class ScriptedUpstream:
             return JSONResponse(anthropic_message(model))
         return self._stream(request, anthropic_events(model), fault)
 
+    async def _count_tokens(self, request: Request) -> Response:
+        await self._start(request)
+        return JSONResponse({"input_tokens": 11})
+
+    async def _models(self, request: Request) -> Response:
+        await self._start(request)
+        if "anthropic-version" in request.headers:
+            data = [
+                {"type": "model", "id": "claude-test", "display_name": "Claude", "created_at": "2025-01-01T00:00:00Z"}
+            ]
+            return JSONResponse({"data": data, "has_more": False, "first_id": "claude-test", "last_id": "claude-test"})
+        data = [{"id": "gpt-test", "object": "model", "created": CREATED, "owned_by": "scripted"}]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _model(self, request: Request) -> Response:
+        await self._start(request)
+        model = request.path_params["model"]
+        return JSONResponse({"id": model, "object": "model", "created": CREATED, "owned_by": "scripted"})
+
     def _stream(self, request: Request, events: list[tuple[str | None, Any]], fault: Fault | None) -> Response:
         return _ScriptedStream(self, request.url.path, events, fault, self.delay)
 
@@ -279,7 +301,7 @@ class _ScriptedStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        gone = cut = False
+        gone = cut = finished = False
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -292,12 +314,13 @@ class _ScriptedStream(Response):
             tg.start_soon(watch)
             try:
                 await self._body(send)
+                finished = True  # uvicorn reports a disconnect once the response is complete: not one
             except OSError:  # the peer went away while we wrote
                 gone = True
             except _Cut:
                 cut = True
             tg.cancel_scope.cancel()
-        self.upstream._count(self.path, "cuts" if cut else "disconnects" if gone else "completed")
+        self.upstream._count(self.path, "cuts" if cut else "completed" if finished else "disconnects")
         if cut:
             # An exception after the response started: uvicorn drops the connection mid-body.
             raise _Cut("scripted cut")

@@ -691,10 +691,10 @@ def hypercorn_in_thread(app: Starlette, *, backend: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def serving_hypercorn(backend: str) -> Iterator[Served]:
+def serving_hypercorn(backend: str, **settings: Any) -> Iterator[Served]:
     upstream = ScriptedUpstream()
     with serve_in_thread(upstream.app) as upstream_url:
-        gateway = create_app(LifetimeSettings(upstream_url=(upstream_url,), **SETTINGS))
+        gateway = create_app(LifetimeSettings(upstream_url=(upstream_url,), **{**SETTINGS, **settings}))
         with hypercorn_in_thread(gateway, backend=backend) as url, _closing(Served(upstream, gateway, url)) as served:
             yield served
 
@@ -842,14 +842,66 @@ def test_gateway_error_on_the_anthropic_path_has_the_anthropic_shape() -> None:
         assert served.upstream.total_requests() == 0
 
 
-def test_closing_a_stream_midway_under_hypercorn_trio_leaves_nothing_behind() -> None:
-    """The gateway on trio: a client hanging up mid-stream closes the upstream and leaves no generator to the GC."""
-    with serving_hypercorn("trio") as served:
-        served.upstream.fail(CHAT, Fault(stall_after=4))
+@pytest.mark.parametrize("fault", ["client-closes", "stall", "cut", "cut-mid-event"])
+def test_stream_ending_early_under_hypercorn_trio_leaves_nothing_behind(fault: str) -> None:
+    """The gateway on trio: a stream that ends early (client hangs up, upstream stalls or drops) closes
+    the upstream and leaves no async generator to the GC (trio warns about those: warnings are errors)."""
+    faults = {
+        "client-closes": Fault(stall_after=4),
+        "stall": Fault(stall_after=4),
+        "cut": Fault(cut_after=4),
+        "cut-mid-event": Fault(cut_after=4, half=True),
+    }
+    with serving_hypercorn("trio", stall_timeout=0.5 if fault == "stall" else 10.0) as served:
+        served.upstream.fail(CHAT, faults[fault])
         stream = served.openai().chat.completions.create(model="gpt-test", messages=HELLO, stream=True)
-        for _ in stream:
-            break
+        with contextlib.suppress(openai.APIError, json.JSONDecodeError):  # the errors are asserted elsewhere
+            for _ in stream:
+                if fault == "client-closes":
+                    break
         stream.close()
-        settle(lambda: served.upstream.seen(CHAT).disconnects == 1, what=lambda: str(served.upstream.seen(CHAT)))
+        if fault in ("client-closes", "stall"):
+            settle(lambda: served.upstream.seen(CHAT).disconnects == 1, what=lambda: str(served.upstream.seen(CHAT)))
         once(served, CHAT)
         served.wait_idle()
+
+
+@pytest.mark.parametrize("where", ["first", "after-content"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_stalled_upstream_ends_the_sdk_stream_with_an_error(name: str, where: str) -> None:
+    """Silent before the first byte: the gateway answers 504 (which the SDK must not re-send); after
+    content: the stream ends with the gateway's in-band error, which the SDK raises."""
+    with serving(stall_timeout=0.5) as served:
+        case = CASES[name]
+        served.upstream.fail(case.path, Fault(stall_after=0 if where == "first" else case.content_at + 1))
+        with pytest.raises(Exception) as caught:  # noqa: B017  (the type is the assertion below)
+            for _ in case.open(served):
+                pass
+        assert isinstance(caught.value, (openai.APIError, anthropic.APIError)), repr(caught.value)
+        if where == "first":
+            assert isinstance(caught.value, (openai.APIStatusError, anthropic.APIStatusError))
+            assert caught.value.status_code == 504
+        assert "no data for 0.5 seconds" in str(caught.value)
+        settle(
+            lambda: served.upstream.seen(case.path).disconnects >= 1, what=lambda: str(served.upstream.seen(case.path))
+        )
+        once(served, case.path)
+        served.wait_idle()
+
+
+def test_get_and_bodiless_requests(served: Served) -> None:
+    client = served.openai()
+    assert [model.id for model in client.models.list()] == ["gpt-test"]
+    assert client.models.retrieve("gpt-test").id == "gpt-test"
+    claude = served.anthropic()
+    assert [model.id for model in claude.models.list()] == ["claude-test"]
+    counted = claude.messages.count_tokens(model="claude-test", messages=HELLO)
+    assert counted.input_tokens == 11
+    assert served.upstream.seen("/v1/models").requests == 2
+    served.wait_idle()
+
+
+def test_unknown_path_is_the_upstreams_404(served: Served) -> None:
+    with pytest.raises(openai.NotFoundError):
+        served.openai().batches.list()
+    served.wait_idle()
