@@ -53,13 +53,12 @@ STALL_SECONDS = 10.0  # how long a held upstream waits for the gateway to hang u
 GAUGES = ("inflight_requests", "inflight_bytes", "retained_input_bytes", "live_resources", "pinned_sessions")
 HELLO = [{"role": "user", "content": "hello"}]
 AUDIO = ("speech.wav", b"RIFF" + bytes(4000), "audio/wav")
-# On trio, the SDKs' AsyncStream leaves its own async generators (httpx2's aiter_bytes, the SSE
-# decoder, _iter_events) unexhausted when it stops at ``[DONE]`` or is closed; trio's finalizer
-# then warns. Only those generators, only in the async tests: the gateway runs in uvicorn's thread.
+# On trio, the SDKs' AsyncStream leaves its own async generators (httpx2's aiter_bytes, httpcore2's
+# PoolByteStream, the SSE decoder, _iter_events...) unexhausted when it stops at ``[DONE]`` or is
+# closed early; trio's finalizer then warns. Ignored only in the async tests, whose event loop runs
+# nothing but the SDK client: the gateway and the upstream run in uvicorn's threads, on asyncio.
 SDK_ASYNCGENS_ON_TRIO = pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <async_generator object "
-    r"(Response\.aiter_bytes|SSEDecoder\.aiter_bytes|Async\w*Stream\.\w+):"
-    "pytest.PytestUnraisableExceptionWarning"
+    "ignore:Exception ignored in. <async_generator object:pytest.PytestUnraisableExceptionWarning"
 )
 
 
@@ -905,3 +904,48 @@ def test_unknown_path_is_the_upstreams_404(served: Served) -> None:
     with pytest.raises(openai.NotFoundError):
         served.openai().batches.list()
     served.wait_idle()
+
+
+@pytest.mark.anyio
+@SDK_ASYNCGENS_ON_TRIO
+async def test_cancelling_an_async_stream_with_a_cancel_scope_cancels_the_upstream_request(anyio_backend: str) -> None:
+    """A caller's timeout (``move_on_after``) around a stalled stream: once the client is closed, the
+    gateway sees the hang-up and cancels the upstream request."""
+    with serving() as served:
+        served.upstream.fail(MESSAGES, Fault(stall_after=5))
+        async with served.async_anthropic() as client:
+            with anyio.move_on_after(1.0) as scope:
+                async with client.messages.stream(model="claude-test", max_tokens=64, messages=HELLO) as stream:
+                    async for _ in stream.text_stream:
+                        pass
+            assert scope.cancelled_caught
+        await eventually(lambda: served.upstream.seen(MESSAGES).disconnects == 1, what=served.busy)
+        once(served, MESSAGES)
+        await eventually(lambda: not served.busy(), what=served.busy)
+
+
+@pytest.mark.anyio
+@SDK_ASYNCGENS_ON_TRIO
+async def test_concurrent_async_streams(anyio_backend: str) -> None:
+    texts: list[str] = []
+    with serving(delay=0.005) as served:
+        async with served.async_openai() as openai_client, served.async_anthropic() as anthropic_client:
+
+            async def chat() -> None:
+                stream = await openai_client.chat.completions.create(model="gpt-test", messages=HELLO, stream=True)
+                texts.append("".join([chunk.choices[0].delta.content or "" async for chunk in stream]))
+
+            async def message() -> None:
+                async with anthropic_client.messages.stream(
+                    model="claude-test", max_tokens=64, messages=HELLO
+                ) as stream:
+                    texts.append("".join([text async for text in stream.text_stream]))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(chat)
+                    tg.start_soon(message)
+        assert texts == [up.TEXT] * 16
+        assert served.upstream.seen(CHAT).requests == 8 and served.upstream.seen(MESSAGES).requests == 8
+        assert served.upstream.seen(CHAT).completed == 8 and served.upstream.seen(MESSAGES).completed == 8
+        await eventually(lambda: not served.busy(), what=served.busy)
