@@ -86,7 +86,12 @@ class GatewayAuth:
             allowed = client is not None and is_loopback(str(client[0]))
             problem = "this gateway injects its upstream key and has no gateway keys: loopback clients only"
         if not allowed:
-            await send_error(send, AuthenticationError(problem), extra_headers=[(b"www-authenticate", b"Bearer")])
+            # The body is unread: ask the server to close rather than parse it as the next request.
+            await send_error(
+                send,
+                AuthenticationError(problem),
+                extra_headers=[(b"www-authenticate", b"Bearer"), (b"connection", b"close")],
+            )
             return
         scope = dict(scope)
         scope["headers"] = [(k, v) for k, v in headers if k not in _CREDENTIAL_HEADERS]

@@ -444,3 +444,24 @@ async def test_body_timeout_cuts_a_sender_that_is_never_idle(server: str) -> Non
         assert error["code"] == "request_body_timeout" and "0.5 seconds" in error["message"]
         assert served.seen == []
         await eventually(lambda: served.counters.inflight_requests == 0 and served.counters.timed_out == 1)
+
+
+@pytest.mark.parametrize("server", PIPELINING)
+async def test_gateway_key_401_closes_the_connection(server: str) -> None:
+    """A refused key is answered before the body is read: the body must not be parsed as the next request."""
+    from asgi_lifetime._auth import GatewayAuth
+
+    served = make_app()
+    inner = served.middleware
+    served.middleware = GatewayAuth(inner, gateway_keys=["right"], upstream_api_key="upstream")  # type: ignore[assignment]
+    smuggled = b"POST /v1/second HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi"
+    with serving(served, server):
+        async with connect(served) as stream:
+            await stream.send(
+                request(smuggled, f"content-length: {len(smuggled)}", "authorization: Bearer wrong") + SECOND
+            )
+            data, closed = await read_until_closed(stream)
+    assert closed and data.count(b"HTTP/1.1 ") == 1, data
+    status, headers = parse_head(data.partition(b"\r\n\r\n")[0])
+    assert status == 401 and headers.get("connection") == "close"
+    assert served.seen == []
