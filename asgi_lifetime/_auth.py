@@ -88,6 +88,7 @@ class GatewayAuth:
         if not allowed:
             # The body is unread: ask the server to close rather than parse it as the next request.
             await send_error(
+                scope,
                 send,
                 AuthenticationError(problem),
                 extra_headers=[(b"www-authenticate", b"Bearer"), (b"connection", b"close")],

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "NO_CLIENT_RETRY",
+    "ErrorShape",
     "AdmissionRejected",
     "AuthenticationError",
     "BodyAborted",
@@ -52,7 +53,64 @@ __all__ = [
     "UpstreamStalled",
     "UpstreamTimeout",
     "UpstreamUnreachable",
+    "error_body",
+    "error_shape",
 ]
+
+
+ErrorShape = Literal["openai", "anthropic", "gemini"]
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+# google.rpc.Code names Gemini puts in ``error.status``, by HTTP status.
+_GOOGLE_STATUSES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED",
+    413: "INVALID_ARGUMENT",
+    415: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+def error_shape(path: str) -> ErrorShape:
+    """The error body shape a client calling ``path`` parses.
+
+    Anthropic's Messages API (``/v1/messages...``) and Gemini's model methods
+    (``/models/<model>:generateContent`` and the like) have their own; everything else
+    gets OpenAI's, which most gateways and SDKs speak.
+    """
+    if "/v1/messages" in path or path.endswith("/v1/complete"):
+        return "anthropic"
+    if "/models/" in path and ":" in path.rsplit("/", 1)[-1]:
+        return "gemini"
+    return "openai"
+
+
+def error_body(shape: ErrorShape, status: int, error_type: str, code: str, message: str) -> dict[str, Any]:
+    """An error body in ``shape``; ``code`` (the gateway's own) is kept in each, for operators."""
+    if shape == "anthropic":
+        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "code": code, "message": message}}
+    if shape == "gemini":
+        reason = _GOOGLE_STATUSES.get(status, "FAILED_PRECONDITION" if status < 500 else "INTERNAL")
+        details = [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": code, "domain": "asgi-lifetime"}]
+        return {"error": {"code": status, "message": message, "status": reason, "details": details}}
+    return {"error": {"type": error_type, "code": code, "message": message}}
 
 
 class LifetimeError(Exception):
@@ -73,15 +131,18 @@ class LifetimeError(Exception):
         """Extra response headers this error asks for (e.g. ``Retry-After``)."""
         return {}
 
-    def to_dict(self) -> dict[str, dict[str, str]]:
-        return {"error": {"type": self.error_type, "code": self.code, "message": self.message}}
+    def to_dict(self, shape: ErrorShape = "openai") -> dict[str, Any]:
+        """This error as the JSON body a client of ``shape`` parses (see :func:`error_shape`)."""
+        return error_body(shape, self.status_code, self.error_type, self.code, self.message)
 
-    def json_body(self) -> bytes:
-        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+    def json_body(self, shape: ErrorShape = "openai") -> bytes:
+        return json.dumps(self.to_dict(shape), separators=(",", ":")).encode()
 
-    def asgi_response(self, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> tuple[dict[str, Any], bytes]:
+    def asgi_response(
+        self, extra_headers: Sequence[tuple[bytes, bytes]] = (), *, shape: ErrorShape = "openai"
+    ) -> tuple[dict[str, Any], bytes]:
         """The ``http.response.start`` message and the body of this error as a JSON response."""
-        body = self.json_body()
+        body = self.json_body(shape)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

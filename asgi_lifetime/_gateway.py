@@ -19,7 +19,7 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from ._bookkeeping import Bookkeeper, Outcome, SessionBook, record_outcome
-from ._exceptions import LifetimeError, MalformedBody, RequestError
+from ._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
 from ._memory import trim_after_large_request
 from ._middleware import Lifetime, RequestLifetime, send_error
 from ._prepare import Prepared, Preparer, prepare
@@ -122,6 +122,7 @@ class Forwarder:
                 reissue=reissue if prepared.body is not None else None,
                 counters=self.lifetime.counters,
                 stop=self.stop,
+                error_shape=error_shape(scope["path"]),
             )
             prepared.release_body()
             # Below 32 MiB glibc may have put the body on the heap (its mmap threshold grows): give it back too.
@@ -134,7 +135,7 @@ class Forwarder:
             )
         except LifetimeError as exc:
             status = exc.status_code
-            await send_error(send, exc)
+            await send_error(scope, send, exc)
         finally:
             finished = Outcome(
                 fingerprint=state.fingerprint,

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _json
 from ._admission import Admission
 from ._body import parse_content_length, read_body
-from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTimeout, BodyTooLarge, LifetimeError
+from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTimeout, BodyTooLarge, LifetimeError, error_shape
 from ._fingerprint import Fingerprint, fingerprint
 from ._parse import offload, parse_body
 from ._scope import RequestScope, Resource
@@ -228,7 +228,7 @@ class LifetimeMiddleware:
                 else:
                     # The body may be unread: the server must not parse what follows on this
                     # connection as a new request (smuggling), so ask it to close.
-                    await send_error(send, exc, extra_headers=_CLOSE)
+                    await send_error(scope, send, exc, extra_headers=_CLOSE)
                 return
             settle = _Settle(inner_scope["state"]["lifetime"], resources, counters, send)
             try:
@@ -333,8 +333,10 @@ def route_path(scope: Scope) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
-async def send_error(send: Send, exc: LifetimeError, *, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    """Send ``exc`` as a complete OpenAI-style JSON error response."""
-    start, body = exc.asgi_response(extra_headers)
+async def send_error(
+    scope: Scope, send: Send, exc: LifetimeError, *, extra_headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """Send ``exc`` as a complete JSON error response, in the shape the client of ``scope`` parses."""
+    start, body = exc.asgi_response(extra_headers, shape=error_shape(scope["path"]))
     await send(start)
     await send({"type": "http.response.body", "body": body, "more_body": False})

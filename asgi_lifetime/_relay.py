@@ -50,6 +50,7 @@ from starlette.types import Message, Receive, Send
 
 from ._exceptions import (
     AdmissionRejected,
+    ErrorShape,
     LifetimeError,
     StarvationError,
     UpstreamError,
@@ -175,9 +176,11 @@ class _Relay:
         counters: Counters | None,
         on_first_byte: Callable[[], None] | None,
         stop: anyio.Event | None = None,
+        error_shape: ErrorShape = "openai",
     ) -> None:
         self.send = send
         self.stop = stop
+        self.error_shape: ErrorShape = error_shape
         self.stop_scope = anyio.CancelScope()
         self.stall_timeout = stall_timeout
         self.keepalive_interval = keepalive_interval
@@ -506,7 +509,7 @@ class _Relay:
         async with self.lock:
             self._drop_held()
             if not self.started:
-                self.start, body = exc.asgi_response()
+                self.start, body = exc.asgi_response(shape=self.error_shape)
                 await self._send_body(body, more_body=False)
             elif self.passthrough:
                 # The client is inside an event: an error event would complete a half event. Leave the
@@ -516,7 +519,7 @@ class _Relay:
                     EVENT_HOLD_LIMIT,
                 )
             elif self.inband:
-                await self._send_body(sse_event("error", exc.to_dict()), more_body=False)
+                await self._send_body(sse_event("error", exc.to_dict(self.error_shape)), more_body=False)
             elif self.declared is not None and self.bytes_out >= self.declared:
                 await self._send_body(b"", more_body=False)  # everything promised was sent
             else:
@@ -554,6 +557,7 @@ async def relay(
     counters: Counters | None = None,
     on_first_byte: Callable[[], None] | None = None,
     stop: anyio.Event | None = None,
+    error_shape: ErrorShape = "openai",
 ) -> RelayResult:
     """Stream an open httpx response (``client.send(request, stream=True)``) to an ASGI client.
 
@@ -563,6 +567,7 @@ async def relay(
     response. The upstream response (and a re-issued one) is always closed on return.
     ``stop``, when set, ends the stream early (graceful shutdown out of grace): a 503 if
     nothing was sent yet, else an in-band SSE ``error`` event with code ``shutting_down``.
+    The gateway's own errors take ``error_shape`` (see ``error_shape()``).
     """
     if stall_timeout <= 0:
         raise ValueError(f"stall_timeout={stall_timeout} is invalid: must be greater than 0")
@@ -576,6 +581,7 @@ async def relay(
         counters=counters,
         on_first_byte=on_first_byte,
         stop=stop,
+        error_shape=error_shape,
     )
     return await state.run(response, receive)
 

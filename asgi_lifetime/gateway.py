@@ -33,7 +33,7 @@ from starlette.routing import Route
 from ._access_log import AccessLog
 from ._auth import GatewayAuth
 from ._bookkeeping import Bookkeeper, SessionBook
-from ._exceptions import LifetimeError
+from ._exceptions import LifetimeError, error_body, error_shape
 from ._gateway import Forwarder
 from ._metrics import GatewayMetrics, make_metrics_route
 from ._middleware import Lifetime, LifetimeMiddleware
@@ -113,14 +113,16 @@ def create_app(
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         message = exc.detail if isinstance(exc, HTTPException) else "internal error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
-        error = {"type": "invalid_request_error", "code": code, "message": f"{message}: {request.url.path}"}
-        return JSONResponse({"error": error}, status_code=status)
+        shape = error_shape(request.url.path)
+        body = error_body(shape, status, "invalid_request_error", code, f"{message}: {request.url.path}")
+        return JSONResponse(body, status_code=status)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         # The last resort (Starlette's ServerErrorMiddleware calls it, then re-raises for the server
         # to log too): an OpenAI-style JSON 500 that says nothing of the exception, which is logged.
         logger.error("unexpected %s serving %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
-        return Response(LifetimeError("internal error").json_body(), status_code=500, media_type="application/json")
+        body = LifetimeError("internal error").json_body(error_shape(request.url.path))
+        return Response(body, status_code=500, media_type="application/json")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
