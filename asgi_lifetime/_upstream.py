@@ -44,7 +44,8 @@ __all__ = ["AttemptEvent", "UpstreamClient"]
 
 logger = logging.getLogger(__name__)
 
-_RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# 529 is Anthropic's overloaded_error: its 503.
+_RETRY_STATUSES = frozenset({429, 502, 503, 504, 529})
 # Set from the URL and the body on every attempt; never taken from the client's request.
 _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding"})
 

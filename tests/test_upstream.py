@@ -169,7 +169,7 @@ async def test_success_settles_once_before_returning_an_open_response() -> None:
     assert recorder.events[0] == AttemptEvent("settled", 1, 200, "status 200")
 
 
-@pytest.mark.parametrize("status", [429, 502, 503, 504])
+@pytest.mark.parametrize("status", [429, 502, 503, 504, 529])
 async def test_retryable_status_then_success(status: int) -> None:
     recorder = Recorder()
     counters = Counters()
