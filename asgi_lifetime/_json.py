@@ -148,12 +148,13 @@ def _stdlib_may_accept(raw: bytes, message: str) -> bool:
 
     Those are ``NaN`` / ``Infinity`` (an invalid character ``N`` or ``I``) and lone surrogate
     escapes (msgspec says "invalid utf-16 surrogate pair", or "truncated" when the string
-    ends right after one). A plain syntax error, bad UTF-8, or a truncated body without a
-    surrogate escape is not parsed twice.
+    ends right after one; its ``Raw`` skim says "unexpected end of hex escape"). A plain
+    syntax error, bad UTF-8, or a truncated body without a surrogate escape is not parsed twice.
     """
     if "surrogate" in message:
         return True
-    if "truncated" in message:
+    if "truncated" in message or "hex escape" in message:
+        # The Raw skim (``check_syntax``) says "unexpected end of hex escape" for a lone surrogate.
         return _SURROGATE_ESCAPE.search(raw) is not None
     if "invalid character" in message:
         found = _AT_BYTE.search(message)

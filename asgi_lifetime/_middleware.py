@@ -13,7 +13,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _json
 from ._admission import Admission
 from ._body import parse_content_length, read_body
-from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTimeout, BodyTooLarge, LifetimeError, error_shape
+from ._exceptions import (
+    BodyAborted,
+    BodyIdleTimeout,
+    BodyTimeout,
+    BodyTooLarge,
+    LifetimeError,
+    MalformedBody,
+    error_shape,
+)
 from ._fingerprint import Fingerprint, fingerprint
 from ._parse import offload, parse_body
 from ._scope import RequestScope, Resource
@@ -249,7 +257,8 @@ class LifetimeMiddleware:
         length = parse_content_length(headers)
         if length is not None and length > settings.max_body_bytes:
             raise BodyTooLarge(settings.max_body_bytes)
-        encoding = _header(headers, b"content-encoding")
+        encoding = _field(headers, b"content-encoding")
+        json_body = _is_json(headers)
 
         started = time.monotonic()
         # A slot, but no bytes yet: a declared Content-Length costs budget only as it is sent.
@@ -277,7 +286,7 @@ class LifetimeMiddleware:
         ticket.shrink_to(len(raw))  # give back the last inflate step's unused reservation
         hold = resources.retain(len(raw))
         parsed: Any = _NOT_PARSED
-        if _is_json(headers):
+        if json_body:
             try:
                 # Refuses (413) a body whose parse would be too large; charges the ticket for the parse.
                 parsed = await parse_body(raw, charge=ticket.grow_to)
@@ -297,7 +306,7 @@ class LifetimeMiddleware:
         shared_state = scope.setdefault("state", {})
         shared_state["lifetime"] = state
         inner_scope["state"] = shared_state
-        if encoding or length != len(raw):
+        if encoding is not None or length != len(raw):
             # The inner app sees the decoded body: describe it truthfully.
             inner_scope["headers"] = [
                 (k, v) for k, v in headers if k not in (b"content-encoding", b"content-length", b"transfer-encoding")
@@ -305,16 +314,30 @@ class LifetimeMiddleware:
         return inner_scope, _Replay(raw, hold, receive)
 
 
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for key, value in headers:
-        if key == name:
-            return value.decode("latin-1").strip().lower() or None
-    return None
+def _field(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """A list-valued header as one value, lowercased: its field lines joined with ", " (RFC 9110 5.3),
+    empty lines left out; ``None`` when no line has that name.
+
+    Reading only the first line would let a second one (``Content-Encoding:`` then ``gzip``)
+    reach whoever reads them all, the app behind or the upstream, describing the body otherwise.
+    """
+    values = [value.decode("latin-1").strip().lower() for key, value in headers if key == name]
+    if not values:
+        return None
+    return ", ".join(value for value in values if value)
 
 
 def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
-    content_type = _header(headers, b"content-type")
-    return content_type is None or "json" in content_type
+    """Whether the body is taken for JSON: ``Content-Type`` absent or naming JSON.
+
+    Content-Type is a single value: several different field lines are refused (400), since the
+    gateway would judge by one (skip the parse and every preparer for ``text/plain``) while the
+    upstream may read another (``application/json``).
+    """
+    types = {value.decode("latin-1").strip().lower() for key, value in headers if key == b"content-type"}
+    if len(types) > 1:
+        raise MalformedBody("conflicting Content-Type headers", code="conflicting_content_type")
+    return not types or "json" in types.pop()
 
 
 def _count(counters: Counters, exc: LifetimeError) -> None:
