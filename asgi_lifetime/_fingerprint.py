@@ -16,12 +16,15 @@ text comparable.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 from blake3 import blake3
 
 from . import _json
+
+_DONE: Final = object()  # the end of a list being walked
 
 __all__ = ["Fingerprint", "UNPARSED", "fingerprint", "text_comparable", "wire_hash"]
 
@@ -171,14 +174,23 @@ def text_comparable(parsed: Any) -> bool:
         stack.append(parsed["system"])
 
     seen: set[int] = set()
-    while stack:
-        node = stack.pop()
+    # Lists are walked through iterators on the stack, never copied onto it: the walk's own
+    # memory follows the depth of the conversation, not its length.
+    lists: list[Iterator[Any]] = []
+    while stack or lists:
+        if stack:
+            node = stack.pop()
+        else:
+            node = next(lists[-1], _DONE)
+            if node is _DONE:
+                lists.pop()
+                continue
         if node is None or isinstance(node, str):
             continue
         if isinstance(node, list):
             if id(node) not in seen:
                 seen.add(id(node))
-                stack.extend(node)
+                lists.append(iter(node))
             continue
         if not isinstance(node, dict):
             return False  # numbers, booleans

@@ -116,11 +116,6 @@ async def test_one_request_takes_at_most_8x_its_body(
     await assert_idle(stack.app, stack.url)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="asgi_lifetime/_fingerprint.py text_comparable copies every list of the conversation into its "
-    "work stack (stack.extend): a flat list of small values costs another 8-9 bytes per item on top of the parse",
-)
 async def test_fingerprint_walk_does_not_copy_the_conversation(
     sink_stack: tuple[Stack, Sink], anyio_backend: str
 ) -> None:

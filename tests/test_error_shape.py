@@ -4,7 +4,6 @@ API, Gemini's on model methods, OpenAI's elsewhere, in plain responses and in-ba
 from __future__ import annotations
 
 import json
-
 from collections.abc import Callable
 from typing import Any
 
