@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import tracemalloc
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -121,3 +122,86 @@ async def test_collect_text_refuses_a_costly_json_object() -> None:
 
 def sse_errors(body: bytes) -> list[dict[str, Any]]:
     return [json.loads(event.data) for event in SSEParser().feed(body) if event.event == "error"]
+
+
+# --- our upstream key, quoted by the upstream in a success body -------------------------------------
+
+KEY = "sk-upstream-S3CRET/key+1"
+SPELLINGS = {
+    "bare": KEY.encode(),
+    "json-escaped-slash": KEY.replace("/", "\\/").encode(),
+    "unicode-escaped": "".join(f"\\u{ord(c):04x}" for c in KEY).encode(),
+    "percent-encoded": quote(KEY, safe="").encode(),
+}
+
+
+def _no_key(data: bytes) -> None:
+    for name, spelling in SPELLINGS.items():
+        assert spelling not in data, f"the upstream key ({name}) reached the client"
+    assert b"S3CRET" not in data
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS), ids=list(SPELLINGS))
+@pytest.mark.parametrize("piece", [0, 1, 3], ids=["whole", "1-byte-chunks", "3-byte-chunks"])
+async def test_the_upstream_key_never_reaches_the_client_in_an_event_stream(spelling: str, piece: int) -> None:
+    # Only error bodies and headers were scrubbed: a 200 event stream quoting the key (an in-band
+    # error event, an echoed request) handed UPSTREAM_API_KEY to the client, also split across chunks.
+    quoted = SPELLINGS[spelling]
+    error = b'event: error\ndata: {"error":{"message":"invalid key Bearer ' + quoted + b'"}}\n\n'
+    if piece:
+        body = chunk(FIRST) + b"".join(chunk(error[i : i + piece]) for i in range(0, len(error), piece))
+    else:
+        body = chunk(FIRST + error)
+    with (
+        raw_upstream(answering(SSE_HEAD + body + b"0\r\n\r\n")) as upstream,
+        running(upstream_url=upstream.url, upstream_api_key=KEY) as stack,
+    ):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+            response = await client.post(PATH, json=STREAM_BODY)
+        await assert_idle(stack.app, stack.url)
+    assert response.status_code == 200
+    _no_key(response.content)
+    assert response.content.startswith(FIRST)
+    (event,) = sse_errors(response.content)
+    assert event["error"]["message"].startswith("invalid key Bearer [redacted]")
+    assert upstream.requests[0].headers["authorization"] == f"Bearer {KEY}"
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "x-api-key", "x-goog-api-key"])
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_the_upstream_key_never_reaches_the_client_in_a_json_answer(scheme: str, framing: str) -> None:
+    # A 200 JSON answer echoing the request's headers: masked at the same length, so the
+    # Content-Length the client was promised stays true.
+    body = json.dumps({"echo": {"authorization": f"Bearer {KEY}", "x-api-key": KEY}, "after": "ok"}).encode()
+    if framing == "content-length":
+        head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        raw = head.encode() + body
+    else:
+        head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+        raw = head.encode() + b"".join(chunk(body[i : i + 5]) for i in range(0, len(body), 5)) + b"0\r\n\r\n"
+    with (
+        raw_upstream(answering(raw)) as upstream,
+        running(upstream_url=upstream.url, upstream_api_key=KEY, upstream_auth=scheme) as stack,
+    ):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+            response = await client.post(PATH, json={"model": "m", "messages": []})
+        await assert_idle(stack.app, stack.url)
+    assert response.status_code == 200
+    _no_key(response.content)
+    echoed = response.json()
+    assert echoed["after"] == "ok" and echoed["echo"]["x-api-key"].startswith("[redacted]")
+    assert len(response.content) == len(body)
+
+
+async def test_a_body_ending_in_the_start_of_the_key_is_relayed_whole() -> None:
+    # Masking holds back what could begin the key until it knows: at the end it is all sent.
+    body = b'{"text": "not the key"} sk-upstream-S'  # a start of KEY, then the end of the body
+    head = f"HTTP/1.1 200 OK\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+    with (
+        raw_upstream(answering(head + body)) as upstream,
+        running(upstream_url=upstream.url, upstream_api_key=KEY) as stack,
+    ):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+            response = await client.post(PATH, json={})
+        await assert_idle(stack.app, stack.url)
+    assert response.content == body
