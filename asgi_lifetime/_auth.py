@@ -167,6 +167,11 @@ class KeyScrubber:
     def __bool__(self) -> bool:
         return self._key is not None
 
+    @property
+    def spellings(self) -> tuple[bytes, ...]:
+        """The byte spellings of the key that ``scrub`` replaces, longest first."""
+        return tuple(self._spellings)
+
     def scrub(self, data: bytes) -> bytes:
         if self._key is None:
             return data

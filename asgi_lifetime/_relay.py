@@ -58,6 +58,7 @@ from ._exceptions import (
     UpstreamTimeout,
 )
 from ._json import JSONDecodeFailure, loads
+from ._parse import parse_cost, parse_limit
 from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, classify, sse_event
 from ._stats import Counters
 
@@ -205,8 +206,9 @@ class _Relay:
         self.tracker: SSETracker | None = None
         self.guarded = False  # in-band and 2xx: the starvation guard applies
         self.hold_ok = False  # starving terminals may still be withheld
-        self.tail: list[bytes] = []  # the unfinished event, not sent yet
-        self.tail_size = 0
+        # The unfinished event, not sent yet: one growing buffer, not a list of chunks (an upstream
+        # sending it in 2-byte HTTP chunks would make a list of them cost ~40x the bytes held).
+        self.tail = bytearray()
         self.passthrough = False  # the client is inside an event too large to hold
         self.withheld: list[bytes] = []  # whole events held back after a starving terminal
         self.withheld_size = 0
@@ -322,8 +324,7 @@ class _Relay:
             if tracker is None or not self.guarded:
                 # Not judged: the body is the upstream's (an error status's body is read whole, not as events).
                 async with self.lock:
-                    self.tail, tail = [], self.tail
-                    await self._send_body(b"".join(tail), more_body=False)
+                    await self._send_body(self._take_tail(), more_body=False)
                 return "upstream_error" if tracker is not None and tracker.saw_error else "complete"
             if tracker.starved and not self.passthrough:
                 next_response = await self._starved(response, tracker)
@@ -460,9 +461,8 @@ class _Relay:
             return
         rest = chunk if cut < 0 else chunk[cut:]
         if rest:
-            self.tail.append(rest)
-            self.tail_size += len(rest)
-        if self.tail_size > EVENT_HOLD_LIMIT:
+            self.tail += rest
+        if len(self.tail) > EVENT_HOLD_LIMIT:
             # An event larger than the hold: stream it through. From now until its end the client
             # is inside it, and nothing (keep-alive, error event, second answer) can be added.
             await self._flush_withheld()
@@ -486,9 +486,9 @@ class _Relay:
             self.delivered = self.delivered or completed > 0
 
     def _take_tail(self) -> bytes:
-        tail, self.tail = self.tail, []
-        self.tail_size = 0
-        return b"".join(tail)
+        tail = bytes(self.tail)
+        self.tail.clear()
+        return tail
 
     async def _flush_withheld(self) -> None:
         withheld, self.withheld = self.withheld, []
@@ -500,7 +500,6 @@ class _Relay:
     def _drop_held(self) -> None:
         """Forget what the client has not seen: the unfinished event and withheld events."""
         self.tail.clear()
-        self.tail_size = 0
         self.withheld.clear()
         self.withheld_size = 0
 
@@ -645,6 +644,9 @@ async def collect_text(
 
 
 def _object_text(body: bytes) -> str:
+    if len(body) + parse_cost(body) > parse_limit(len(body)):
+        # Parsing would multiply memory (``[{},{},...]``): refused, as a request body of that shape is.
+        raise UpstreamError("the upstream response is too complex to parse", code="upstream_too_complex")
     try:
         document: Any = loads(body)
     except JSONDecodeFailure:

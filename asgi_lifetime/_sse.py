@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._json import JSONDecodeFailure, dumps, loads
+from ._parse import parse_limit
 
 __all__ = [
     "FORMATS",
@@ -552,11 +553,35 @@ def classify(event: str, payload: Any, fmt: StreamFormat | None = None) -> Event
     return acc.result()
 
 
+# Parsing multiplies memory (an event of ``[{},{},...]`` costs ~25x its size in dicts): an event
+# from this size on is parsed only if its parse stays within ``parse_limit`` (the request body's
+# bound). Smaller events cost at most ~2 MiB to parse, whatever their shape.
+_COST_CHECKED = 64 * 1024
+# A generous estimate from three counts (C speed, nothing allocated; ``_parse.parse_cost`` is exact
+# but itself allocates up to ~20x for short strings): every ``,`` or ``:`` starts a value (a slot and
+# an object, up to ~90 bytes), every ``{`` or ``[`` a container (up to ~190). Text-heavy events,
+# the large ones real upstreams send (base64 images, long outputs), cost ~1-2x and are read.
+_VALUE_COST = 64
+_CONTAINER_COST = 128
+# An event whose parse would cost too much: not read, like an oversized one.
+_UNREADABLE: Any = object()
+
+
+def _costly(raw: bytes) -> bool:
+    values = raw.count(b",") + raw.count(b":")
+    containers = raw.count(b"{") + raw.count(b"[")
+    return len(raw) + _VALUE_COST * values + _CONTAINER_COST * containers > parse_limit(len(raw))
+
+
 def _payload(data: str) -> Any:
     stripped = data.lstrip()
     if stripped.startswith(("{", "[")):
+        raw = stripped.encode()
+        del stripped
+        if len(raw) >= _COST_CHECKED and _costly(raw):
+            return _UNREADABLE
         try:
-            return loads(stripped.encode())
+            return loads(raw)
         except JSONDecodeFailure:
             return None
     return None
@@ -570,7 +595,8 @@ def classify_data(event: str, data: str, fmt: StreamFormat | None = None) -> Eve
     """Classify one SSE event from its name and ``data`` text (see ``classify``)."""
     if _is_done(data):
         return _DONE
-    return classify(event, _payload(data), fmt)
+    payload = _payload(data)
+    return classify(event, None if payload is _UNREADABLE else payload, fmt)
 
 
 class SSETracker:
@@ -652,14 +678,15 @@ class SSETracker:
 
     def observe(self, event: SSEEvent) -> EventClass:
         self.events += 1
-        if event.oversized:
-            # Too large to read: real output, in whatever format; the rules stop here.
+        done = not event.oversized and _is_done(event.data)
+        payload = None if event.oversized or done else _payload(event.data)
+        if event.oversized or payload is _UNREADABLE:
+            # Too large (or too costly) to read: real output, in whatever format; the rules stop here.
             self.saw_oversized = self.saw_event = self._decided = True
             return _NOTHING
-        if _is_done(event.data):
+        if done:
             kind = _DONE
         else:
-            payload = _payload(event.data)
             kind = _error_class(event.event, payload) or self._classify(event.event, payload)
         self._record(kind)
         return kind

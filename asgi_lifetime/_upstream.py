@@ -30,7 +30,7 @@ from typing import Literal
 import anyio
 import httpx
 
-from ._auth import KeyScrubber
+from ._auth import REDACTED, KeyScrubber
 from ._error_body import ErrorBody, read_error_body, replay
 from ._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from ._pool import UpstreamPool
@@ -132,6 +132,100 @@ class _Tracked(httpx.AsyncByteStream):
             await self._stream.aclose()
         finally:
             self._release()
+
+
+class _Masker:
+    """Masks our upstream key in a body streamed in pieces, at the same length (so a Content-Length
+    stays true): every spelling ``KeyScrubber`` knows, also one split across pieces. The end of a
+    piece that could begin a spelling is held back until the next piece shows it does not; events
+    and lines end in a newline, which no spelling starts with, so a stream is never delayed."""
+
+    __slots__ = ("_pairs", "_firsts", "_window", "_carry")
+
+    def __init__(self, scrubber: KeyScrubber) -> None:
+        spellings = scrubber.spellings
+        self._pairs = [(s, _mask(len(s))) for s in spellings]
+        self._firsts = sorted({s[:1] for s in spellings})
+        self._window = max(len(s) for s in spellings) - 1
+        self._carry = b""
+
+    def feed(self, piece: bytes) -> bytes:
+        data = self._carry + piece if self._carry else piece
+        for spelling, mask in self._pairs:
+            if spelling in data:
+                data = data.replace(spelling, mask)
+        keep = self._partial(data)
+        self._carry = data[len(data) - keep :] if keep else b""
+        return data[: len(data) - keep] if keep else data
+
+    def flush(self) -> bytes:
+        carry, self._carry = self._carry, b""
+        return carry
+
+    def _partial(self, data: bytes) -> int:
+        """The length of the longest end of ``data`` that is the start of a spelling (0 if none)."""
+        start = max(0, len(data) - self._window)
+        best = 0
+        for first in self._firsts:
+            at = data.find(first, start)
+            while at >= 0:
+                end = data[at:]
+                if len(end) > best and any(spelling.startswith(end) for spelling, _ in self._pairs):
+                    best = len(end)
+                    break  # later starts are shorter ends
+                at = data.find(first, at + 1)
+        return best
+
+
+def _mask(size: int) -> bytes:
+    return REDACTED.encode().ljust(size, b"*") if size >= len(REDACTED) else b"*" * size
+
+
+class _MaskedIterator:
+    __slots__ = ("_inner", "_masker", "_ended")
+
+    def __init__(self, inner: AsyncIterator[bytes], masker: _Masker) -> None:
+        self._inner = inner
+        self._masker = masker
+        self._ended = False
+
+    def __aiter__(self) -> _MaskedIterator:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._ended:
+            try:
+                piece = await self._inner.__anext__()
+            except StopAsyncIteration:
+                self._ended = True
+                rest = self._masker.flush()
+                if rest:
+                    return rest
+                raise
+            masked = self._masker.feed(piece)
+            if masked:
+                return masked
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._inner, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class _Masked(httpx.AsyncByteStream):
+    """A response body with our upstream key masked (see ``_Masker``); an iterator, not a generator,
+    so that stopping early leaves no generator to finalize."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, scrubber: KeyScrubber) -> None:
+        self._stream = stream
+        self._scrubber = scrubber
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _MaskedIterator(self._stream.__aiter__(), _Masker(self._scrubber))
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 class _Run:
@@ -413,7 +507,14 @@ class UpstreamClient:
             # Read and decoded: hand it on as a stream.
             response = replay(response, ErrorBody(response.content, decoded=True), self._scrubber)
         else:
-            response.stream = _Tracked(response.stream, release)  # type: ignore[arg-type]
+            stream: httpx.AsyncByteStream = _Tracked(response.stream, release)  # type: ignore[arg-type]
+            encoding = response.headers.get("content-encoding", "").strip().lower()
+            if self._scrubber and response.status_code < 400 and encoding in ("", "identity"):
+                # The upstream may quote our key in any body, not only an error's (those are read
+                # whole and scrubbed by ``replay``): in a 200 answer, an in-band error event.
+                # Encoded bodies cannot be masked as they stream (see docs).
+                stream = _Masked(stream, self._scrubber)
+            response.stream = stream
         response.extensions["asgi_lifetime.upstream"] = base
         return response
 
