@@ -47,7 +47,10 @@ logger = logging.getLogger(__name__)
 # 529 is Anthropic's overloaded_error: its 503.
 _RETRY_STATUSES = frozenset({429, 502, 503, 504, 529})
 # Set from the URL and the body on every attempt; never taken from the client's request.
-_OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding"})
+# Accept-Encoding is always identity: every answer is relayed as the upstream's plain bytes, so
+# the stream guards read every event and the key scrubber sees every byte. (Those bytes cross
+# a short hop; the input, not the answer, is what is large.)
+_OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "accept-encoding"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,12 +512,19 @@ class UpstreamClient:
         else:
             stream: httpx.AsyncByteStream = _Tracked(response.stream, release)  # type: ignore[arg-type]
             encoding = response.headers.get("content-encoding", "").strip().lower()
-            if self._scrubber and response.status_code < 400 and encoding in ("", "identity"):
+            response.stream = stream
+            if self._scrubber and response.status_code < 400:
+                if encoding not in ("", "identity"):
+                    # Asked for identity, sent encoded anyway: its bytes cannot be checked for our key.
+                    await response.aclose()
+                    raise UpstreamError(
+                        f"the upstream sent a {encoding!r}-encoded answer although the gateway asked for"
+                        " identity; it cannot be checked for the gateway's upstream key, so it was withheld",
+                        code="upstream_answer_withheld",
+                    )
                 # The upstream may quote our key in any body, not only an error's (those are read
                 # whole and scrubbed by ``replay``): in a 200 answer, an in-band error event.
-                # Encoded bodies cannot be masked as they stream (see docs).
-                stream = _Masked(stream, self._scrubber)
-            response.stream = stream
+                response.stream = _Masked(stream, self._scrubber)
         response.extensions["asgi_lifetime.upstream"] = base
         return response
 
@@ -523,7 +533,7 @@ class UpstreamClient:
         outbound = [(k, v) for k, v in prepared.headers if k.lower() not in _OWN_HEADERS]
         named = {k.lower() for k, _ in outbound} | _OWN_HEADERS
         defaults = [(k, v) for k, v in self._client.headers.multi_items() if k.lower() not in named]
-        headers = [("Host", url.netloc.decode("ascii")), *defaults, *outbound]
+        headers = [("Host", url.netloc.decode("ascii")), ("Accept-Encoding", "identity"), *defaults, *outbound]
         if prepared.body is not None:
             headers.append(("Content-Length", str(len(prepared.body))))
         # Values are the latin-1 text of the client's bytes (obs-text included): send those bytes.
