@@ -222,18 +222,21 @@ class Forwarder:
         return prepared, held
 
     def _session_id(self, scope: Scope) -> str | None:
-        """The client's session id; too long an id is refused (400) before anything keys by it."""
-        for key, value in scope["headers"]:
-            if key == self._session_header:
-                value = value.strip()
-                if len(value) > self.settings.max_session_id_bytes:
-                    raise RequestError(
-                        f"the {self.settings.session_header} header is {len(value)} bytes long; "
-                        f"at most {self.settings.max_session_id_bytes} are accepted",
-                        code="session_id_too_long",
-                    )
-                return value.decode("latin-1") or None
-        return None
+        """The client's session id; too long an id, or two different ones, are refused (400)
+        before anything keys by it (the upstream would be sent both lines)."""
+        values = {value.strip() for key, value in scope["headers"] if key == self._session_header} - {b""}
+        if len(values) > 1:
+            raise RequestError(f"conflicting {self.settings.session_header} headers", code="conflicting_session_id")
+        if not values:
+            return None
+        value = values.pop()
+        if len(value) > self.settings.max_session_id_bytes:
+            raise RequestError(
+                f"the {self.settings.session_header} header is {len(value)} bytes long; "
+                f"at most {self.settings.max_session_id_bytes} are accepted",
+                code="session_id_too_long",
+            )
+        return value.decode("latin-1")
 
 
 async def _watch_disconnect(receive: Receive, gone: anyio.Event, scope: anyio.CancelScope) -> None:

@@ -258,6 +258,33 @@ async def test_a_session_id_over_the_limit_is_a_400(limit: int | None, length: i
     assert app.state.lifetime.stats().idle
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("values", "status"),
+    [(["a", "b"], 400), (["a", "a"], 200), (["a", " a "], 200), (["", "a"], 200)],
+    ids=["different", "repeated", "padded", "one-empty"],
+)
+async def test_two_different_session_ids_are_a_400(values: list[str], status: int) -> None:
+    """Pinned by one, forwarded as both: the upstream and the gateway would disagree on the session."""
+    seen: list[httpx.Request] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return completion(request)
+
+    app = create_app(settings(), transport=httpx.MockTransport(upstream))
+    headers = [("x-session-id", value) for value in values]
+    async with client_for(app) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+    assert response.status_code == status
+    if status == 400:
+        assert response.json()["error"]["code"] == "conflicting_session_id" and seen == []
+        assert len(app.state.book) == 0
+    else:
+        assert len(seen) == 1 and "a" in app.state.book
+    assert app.state.lifetime.stats().idle
+
+
 def test_session_id_limit_is_a_validated_setting() -> None:
     assert LifetimeSettings().max_session_id_bytes == 256
     assert LifetimeSettings.from_mapping({"MAX_SESSION_ID_BYTES": "1KiB"}).max_session_id_bytes == 1024
