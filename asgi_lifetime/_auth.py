@@ -25,7 +25,7 @@ import ipaddress
 import json
 from collections.abc import Collection
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote_to_bytes
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -132,12 +132,26 @@ def _presented(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
+# Query parameters that carry a credential (Gemini's ``key``; ``api_key``/``api-key`` elsewhere).
+_KEY_PARAMS = frozenset({b"key", b"api_key", b"api-key"})
+
+
 def _without_key_param(query: bytes) -> bytes:
-    """The query string minus every ``key=`` parameter (Gemini's credential in the URL), as sent otherwise."""
+    """The query string minus every credential parameter, as sent otherwise.
+
+    Names are compared as a server would read them: percent-decoded, ``+`` as a space, any case
+    (``%6Bey=``, ``KEY=`` and ``key%3D=`` are all ``key``).
+    """
     if not query:
         return query
-    kept = [part for part in query.split(b"&") if part.partition(b"=")[0] != b"key"]
+    kept = [part for part in query.split(b"&") if _param_name(part) not in _KEY_PARAMS]
     return b"&".join(kept)
+
+
+def _param_name(part: bytes) -> bytes:
+    name = unquote_to_bytes(part.partition(b"=")[0].replace(b"+", b" "))
+    # ``key%3D=...`` decodes to ``key=``: the name a lenient server would see ends at its first '='.
+    return name.partition(b"=")[0].strip().lower()
 
 
 class KeyScrubber:

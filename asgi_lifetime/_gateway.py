@@ -224,7 +224,8 @@ class Forwarder:
     def _session_id(self, scope: Scope) -> str | None:
         """The client's session id; too long an id, or two different ones, are refused (400)
         before anything keys by it (the upstream would be sent both lines)."""
-        values = {value.strip() for key, value in scope["headers"] if key == self._session_header} - {b""}
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        values = {value.strip() for key, value in headers if key == self._session_header} - {b""}
         if len(values) > 1:
             raise RequestError(f"conflicting {self.settings.session_header} headers", code="conflicting_session_id")
         if not values:
