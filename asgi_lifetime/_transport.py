@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import h11
 import httpcore
@@ -29,20 +29,24 @@ __all__ = ["GuardedTransport"]
 logger = logging.getLogger(__name__)
 
 
-def _leftover(connection: httpcore.AsyncConnectionInterface) -> bool:
-    """Anything after the response that just ended: buffered in h11, or waiting on the socket."""
+def _leftover(connection: httpcore.AsyncConnectionInterface) -> Literal["", "bytes", "closed", "readable"]:
+    """What follows the response that just ended: ``"bytes"`` buffered in h11 (the upstream
+    misbehaved), the upstream ``"closed"`` (a close-delimited body: nothing wrong), the socket
+    ``"readable"`` (bytes or an EOF not read yet), or nothing (``""``: the connection may be reused)."""
     inner = getattr(connection, "_connection", None)  # AsyncHTTPConnection -> AsyncHTTP11Connection
     state = getattr(inner, "_h11_state", None)
     if not isinstance(state, h11.Connection):
-        return False  # not HTTP/1.1 (or not connected): nothing of ours to check
+        return ""  # not HTTP/1.1 (or not connected): nothing of ours to check
     if state.our_state is not h11.DONE or state.their_state is not h11.DONE:
-        return False  # httpcore closes a connection whose exchange did not complete
+        return ""  # httpcore closes a connection whose exchange did not complete
     data, closed = state.trailing_data
-    if data or closed:
-        return True
+    if data:
+        return "bytes"
+    if closed:
+        return "closed"
     stream = getattr(inner, "_network_stream", None)
     # An idle HTTP/1.1 connection has nothing to read; readable means extra bytes (or EOF).
-    return bool(stream is not None and stream.get_extra_info("is_readable"))
+    return "readable" if stream is not None and stream.get_extra_info("is_readable") else ""
 
 
 class _CheckedStream:
@@ -68,7 +72,8 @@ class _CheckedStream:
                 await self._stream.aclose()
         finally:
             if leftover:
-                logger.warning("the upstream sent bytes after a complete response: connection closed, not reused")
+                if leftover == "bytes":
+                    logger.warning("the upstream sent bytes after a complete response: connection closed, not reused")
                 await self._connection.aclose()
 
 

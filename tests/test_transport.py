@@ -9,6 +9,7 @@ the upstream must see each request exactly once (no retry caused by the desync).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import h11
@@ -18,7 +19,7 @@ import pytest
 
 from asgi_lifetime._transport import GuardedTransport
 
-from ._raw_upstream import RawRequest, Script, chunked, raw_upstream, response
+from ._raw_upstream import CLOSE, RawRequest, Script, chunked, raw_upstream, response
 from .test_faults import assert_idle, running
 
 pytestmark = pytest.mark.anyio
@@ -114,3 +115,24 @@ def test_httpcore_internals_the_guard_relies_on() -> None:
     assert hasattr(h11.Connection, "trailing_data")
     transport = GuardedTransport(limits=httpx.Limits())
     assert hasattr(transport._pool, "_ssl_context")
+
+
+async def test_only_bytes_after_a_response_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """A close-delimited body ends with the upstream closing: the connection is not reused, and
+    that is no misbehaviour to warn about. Bytes after a complete response are."""
+    close_delimited = b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it"
+    smuggling = response(200, b"one") + response(200, b"smuggled")
+    with caplog.at_level(logging.WARNING, logger="asgi_lifetime._transport"):
+        for first, expected in ((close_delimited, b"all of it"), (smuggling, b"one")):
+            caplog.clear()
+
+            def answer(request: RawRequest, first: bytes = first) -> Script:
+                return [first, CLOSE] if request.target.startswith("/v1/first") else script(first)(request)
+
+            with raw_upstream(answer) as upstream:
+                transport = GuardedTransport(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+                async with httpx.AsyncClient(transport=transport, base_url=upstream.url) as client:
+                    assert (await client.post("/v1/first")).content == expected
+                    assert (await client.post("/v1/second")).content == SECOND
+            warned = [r for r in caplog.records if "after a complete response" in r.getMessage()]
+            assert len(warned) == (1 if first is smuggling else 0), caplog.records
