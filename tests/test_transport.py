@@ -118,9 +118,10 @@ def test_httpcore_internals_the_guard_relies_on() -> None:
 
 
 async def test_only_bytes_after_a_response_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    """A close-delimited body ends with the upstream closing: the connection is not reused, and
-    that is no misbehaviour to warn about. Bytes after a complete response are."""
-    close_delimited = b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it"
+    """An upstream that closes its end after a complete response (its idle timeout, a restart):
+    the connection is not reused, and that is no misbehaviour to warn about. Bytes after a
+    complete response are."""
+    close_delimited = response(200, b"all of it")
     smuggling = response(200, b"one") + response(200, b"smuggled")
     with caplog.at_level(logging.WARNING, logger="asgi_lifetime._transport"):
         for first, expected in ((close_delimited, b"all of it"), (smuggling, b"one")):
