@@ -692,14 +692,10 @@ def hypercorn_in_thread(app: Starlette, *, backend: str) -> Iterator[str]:
                 time.sleep(0.02)
         yield url
     finally:
-        # httpcore's body generators, left suspended when a client hangs up mid-stream, can sit in
-        # a reference cycle (an exception's traceback) until the collector runs: collect while the
-        # gateway's loop still runs, so trio finalizes them there (after the run it can only warn).
-        gc.collect()
         stop.set()
         thread.join(10)
-        # What the gateway abandoned outside any cycle is finalized (and warned about, on trio)
-        # now, in the test that left it, not whenever the collector next runs.
+        # Async generators the gateway abandoned are finalized (and warned about, on trio) now,
+        # in the test that left them, not whenever the collector next runs.
         gc.collect()
     assert not thread.is_alive(), "hypercorn did not stop"
     assert not failure, failure
