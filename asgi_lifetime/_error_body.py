@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +31,12 @@ import anyio
 import httpx
 
 from ._auth import KeyScrubber
+from ._transport import stop_reading
 
 __all__ = ["BoundedDecoder", "ErrorBody", "decoder_for", "read_error_body", "replay"]
 
 # Decoded bytes per zlib call: bounds the transient memory on top of the captured body.
 _STEP = 64 * 1024
-_CLOSE_TIMEOUT = 5.0
 # A replayed error body is complete as relayed: framing headers are ours.
 _FRAMING = frozenset({"content-length", "transfer-encoding"})
 
@@ -110,19 +109,6 @@ class ErrorBody:
         return self.problem is None
 
 
-async def _drain(response: httpx.Response, iterator: AsyncIterator[bytes]) -> None:
-    """End httpx's chain of stream generators after stopping early: closing only the outermost
-    would abandon the inner ones half-way (trio warns about each). Closing the response makes
-    the transport end the chain; what is read meanwhile is dropped. Bounded in time."""
-    with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-        await response.aclose()
-        try:
-            while True:
-                await iterator.__anext__()
-        except Exception:  # StopAsyncIteration or however the closed transport reports it
-            pass
-
-
 async def read_error_body(response: httpx.Response, *, limit: int, stall_timeout: float) -> ErrorBody:
     """Read up to ``limit`` bytes of ``response``'s body (decoded where we can); always closes it."""
     decoder = decoder_for(response.headers.get("content-encoding"))
@@ -161,10 +147,7 @@ async def read_error_body(response: httpx.Response, *, limit: int, stall_timeout
         if problem is None and isinstance(decoder, BoundedDecoder) and not decoder.finished:
             problem = f"the {response.headers.get('content-encoding', '').strip()} data ended early"
     finally:
-        if not ended:
-            await _drain(response, iterator)
-        with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-            await response.aclose()
+        await stop_reading(response, iterator, finished=ended)
     return ErrorBody(bytes(captured), decoded=decoder is not False, problem=problem)
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,6 +61,7 @@ from ._json import JSONDecodeFailure, loads
 from ._parse import parse_cost, parse_limit
 from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, classify, sse_event
 from ._stats import Counters
+from ._transport import close_response, stop_reading
 
 __all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "Outcome", "RelayResult", "collect_text", "filter_headers", "relay"]
 
@@ -87,7 +88,6 @@ _HOP_BY_HOP_RAW = frozenset(name.encode() for name in HOP_BY_HOP)
 _SERVER_SET = frozenset({b"date", b"server"})
 
 # Bounded time for closing an upstream response, even when the caller is being cancelled.
-_CLOSE_TIMEOUT = 5.0
 # The unfinished event held back from the client (see the module docstring): the same bound as
 # what the SSE parser keeps of one event, so an event it can read is one the relay can withdraw.
 EVENT_HOLD_LIMIT = MAX_BUFFER
@@ -135,25 +135,6 @@ def _is_sse(response: httpx.Response) -> bool:
 def _is_encoded(response: httpx.Response) -> bool:
     encoding: str = response.headers.get("content-encoding", "")
     return encoding.strip().lower() not in ("", "identity")
-
-
-async def _close(response: httpx.Response) -> None:
-    """Close ``response`` within a bounded time, even inside a cancelled scope; never raises."""
-    with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-        try:
-            await response.aclose()
-        except Exception:  # a failing close must not mask how the relay ended
-            logger.debug("closing the upstream response failed", exc_info=True)
-
-
-async def _aclose_iterator(iterator: AsyncIterator[bytes]) -> None:
-    aclose = getattr(iterator, "aclose", None)
-    if aclose is not None:
-        with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-            try:
-                await aclose()
-            except Exception:
-                logger.debug("closing the upstream iterator failed", exc_info=True)
 
 
 class _ClientGone(Exception):
@@ -251,7 +232,7 @@ class _Relay:
         finally:
             error = None
             for upstream in self.responses:
-                await _close(upstream)
+                await close_response(upstream)
             self.responses.clear()
             self._drop_held()
         if self.disconnected:
@@ -394,7 +375,7 @@ class _Relay:
     ) -> httpx.Response | None:
         """Re-issue once; return the response to continue with, or None."""
         self.reissued = True
-        await _close(response)
+        await close_response(response)
         async with self.lock:
             self._drop_held()  # the client saw none of it, and is between events
         self.waiting = True  # keep-alives continue while the new request is under way
@@ -411,7 +392,7 @@ class _Relay:
         if self.started and not (200 <= new.status_code < 300 and _is_sse(new) and not _is_encoded(new)):
             # The client already has a 200 event stream; this response cannot continue it.
             logger.warning("re-issued response cannot continue the stream (status %s)", new.status_code)
-            await _close(new)
+            await close_response(new)
             return None
         self._use(new)
         return new
@@ -419,9 +400,10 @@ class _Relay:
     async def _pump(self, response: httpx.Response) -> None:
         """Relay ``response``'s bytes until it ends; raises ``_Stalled`` or the httpx error that ended it."""
         iterator = response.aiter_raw()
+        finished = False  # the chain of stream generators ended (its end, an error, a cancellation)
         try:
             while True:
-                self.waiting = True
+                self.waiting = finished = True
                 with anyio.move_on_after(self.stall_timeout) as scope:
                     try:
                         chunk = await iterator.__anext__()
@@ -429,6 +411,7 @@ class _Relay:
                         return
                     finally:
                         self.waiting = False
+                finished = scope.cancelled_caught
                 if scope.cancelled_caught:
                     raise _Stalled
                 if not chunk:
@@ -442,7 +425,7 @@ class _Relay:
                 del chunk  # hold no chunk while waiting for the next one
         finally:
             self.waiting = False
-            await _aclose_iterator(iterator)
+            await stop_reading(response, iterator, finished=finished)
 
     async def _on_chunk(self, chunk: bytes) -> None:
         """Send the whole events ``chunk`` completes; hold the unfinished one (or stream it through if too large)."""
@@ -607,13 +590,16 @@ async def collect_text(
         # aiter_bytes nests httpx's own aiter_raw generator, which cannot be closed from here if
         # reading stops early; only decode when there is something to decode.
         iterator = response.aiter_bytes() if _is_encoded(response) else response.aiter_raw()
+        finished = False
         try:
             while True:
+                finished = True  # an end, error or cancellation inside __anext__ ends the chain
                 with anyio.move_on_after(stall_timeout if stall_timeout is not None else float("inf")) as scope:
                     try:
                         chunk = await iterator.__anext__()
                     except StopAsyncIteration:
                         break
+                finished = scope.cancelled_caught
                 if scope.cancelled_caught:
                     raise UpstreamStalled(f"the upstream sent no data for {stall_timeout:g} seconds")
                 received += len(chunk)
@@ -626,7 +612,7 @@ async def collect_text(
         except httpx.TransportError as exc:
             raise UpstreamError(f"reading the upstream response failed ({type(exc).__name__})") from None
         finally:
-            await _aclose_iterator(iterator)
+            await stop_reading(response, iterator, finished=finished)
 
         if response.status_code >= 400:
             raise UpstreamError(_status_message(response.status_code, bytes(body)))
@@ -640,7 +626,7 @@ async def collect_text(
             return tracker.text
         return _object_text(bytes(body))
     finally:
-        await _close(response)
+        await close_response(response)
 
 
 def _object_text(body: bytes) -> str:

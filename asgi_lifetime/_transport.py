@@ -16,17 +16,55 @@ pins httpcore to the 1.0 series; ``tests/test_transport.py`` fails if they move.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import anyio
 import h11
 import httpcore
 import httpx
 
-__all__ = ["GuardedTransport"]
+__all__ = ["CLOSE_TIMEOUT", "GuardedTransport", "close_response", "stop_reading"]
 
 logger = logging.getLogger(__name__)
+
+# How long closing an upstream response may take, even inside a cancelled scope.
+CLOSE_TIMEOUT = 5.0
+
+
+async def close_response(response: httpx.Response) -> None:
+    """Close ``response`` within ``CLOSE_TIMEOUT``, even inside a cancelled scope; never raises."""
+    with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
+        try:
+            await response.aclose()
+        except Exception:  # a failing close must not mask how reading ended
+            logger.debug("closing the upstream response failed", exc_info=True)
+
+
+async def stop_reading(response: httpx.Response, iterator: AsyncIterator[bytes], *, finished: bool) -> None:
+    """Stop reading ``response`` through ``iterator`` (its ``aiter_raw()``) and close it; never raises.
+
+    ``finished``: the iterator's last ``__anext__`` ended it (its end, an error or a cancellation
+    raised inside it ends every generator it passes through). Otherwise httpx's and httpcore's
+    generators under it are suspended half-way, and closing only the outermost would abandon
+    the inner ones (trio warns about each when they are collected): the response is closed, so
+    the transport ends the chain, and the chain is drained (what is read meanwhile is dropped).
+    """
+    with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
+        try:
+            if not finished:
+                await response.aclose()
+                with contextlib.suppress(Exception):  # StopAsyncIteration, or how the closed transport says it
+                    while True:
+                        await iterator.__anext__()
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        except Exception:
+            logger.debug("stopping an upstream read failed", exc_info=True)
+    await close_response(response)
 
 
 def _leftover(connection: httpcore.AsyncConnectionInterface) -> Literal["", "bytes", "closed", "readable"]:

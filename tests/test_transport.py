@@ -9,17 +9,21 @@ the upstream must see each request exactly once (no retry caused by the desync).
 
 from __future__ import annotations
 
+import gc
 import logging
+import types
 from typing import Any
 
+import anyio
 import h11
 import httpcore
 import httpx
 import pytest
 
-from asgi_lifetime._transport import GuardedTransport
+from asgi_lifetime._relay import relay
+from asgi_lifetime._transport import GuardedTransport, stop_reading
 
-from ._raw_upstream import CLOSE, RawRequest, Script, chunked, raw_upstream, response
+from ._raw_upstream import CLOSE, HOLD, RawRequest, Script, chunked, raw_upstream, response
 from .test_faults import assert_idle, running
 
 pytestmark = pytest.mark.anyio
@@ -137,3 +141,54 @@ async def test_only_bytes_after_a_response_are_warned_about(caplog: pytest.LogCa
                     assert (await client.post("/v1/second")).content == SECOND
             warned = [r for r in caplog.records if "after a complete response" in r.getMessage()]
             assert len(warned) == (1 if first is smuggling else 0), caplog.records
+
+
+def _suspended_stream_generators() -> list[str]:
+    """httpx's and httpcore's async generators that are alive and not finished."""
+    return [
+        obj.__qualname__
+        for obj in gc.get_objects()
+        if isinstance(obj, types.AsyncGeneratorType)
+        and obj.ag_frame is not None
+        and ("httpcore" in obj.ag_code.co_filename or "httpx" in obj.ag_code.co_filename)
+    ]
+
+
+@pytest.mark.parametrize("stop", ["client-gone", "stop-reading"])
+async def test_stopping_between_chunks_ends_every_stream_generator(stop: str) -> None:
+    """Stopped between two chunks (the client left while one was being sent), closing only
+    ``aiter_raw()`` left httpx's and httpcore's generators under it suspended until collected
+    (trio warns about each). Every generator of the chain is ended before the relay returns."""
+    events = b"".join(b'data: {"n": %d}\n\n' % n for n in range(40))
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    partial = chunked(events, size=32).removesuffix(b"0\r\n\r\n")  # more to come: the stream stays open
+    with raw_upstream(lambda request: [head + partial, HOLD]) as upstream:
+        transport = GuardedTransport(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+        async with httpx.AsyncClient(transport=transport, base_url=upstream.url) as client:
+            response = await client.send(client.build_request("POST", "/v1/stream"), stream=True)
+            before = _suspended_stream_generators()
+            sends = 0
+
+            async def send(message: Any) -> None:
+                nonlocal sends
+                sends += 1
+                if sends >= 3:
+                    raise OSError("the client is gone")
+
+            async def receive() -> Any:
+                await anyio.sleep_forever()
+
+            gc.disable()  # the check below must see what the code left, not what a collection cleaned up
+            try:
+                if stop == "client-gone":
+                    result = await relay(response, send=send, receive=receive, stall_timeout=10, keepalive_interval=30)
+                    assert result.outcome == "client_disconnected"
+                else:
+                    iterator = response.aiter_raw()
+                    assert await iterator.__anext__()
+                    await stop_reading(response, iterator, finished=False)
+                left = _suspended_stream_generators()
+            finally:
+                gc.enable()
+    assert response.is_closed
+    assert len(left) <= len(before), left
