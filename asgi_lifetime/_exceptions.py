@@ -23,9 +23,10 @@ OpenAI-style JSON body ``{"error": {"type", "code", "message"}}``::
 ``BodyAborted`` is never delivered (the client is gone); it is logged and counted.
 Messages never contain request bodies or keys.
 
-``AdmissionRejected`` and the ``UpstreamError`` family answer with ``x-should-retry: false``:
-the gateway already retried (or decided not to), and SDKs that honour the header (openai,
-anthropic) would otherwise multiply its attempts by their own ``max_retries``.
+The ``UpstreamError`` family answers with ``x-should-retry: false``: the gateway already
+retried (or decided not to), and SDKs that honour the header (openai, anthropic) would
+otherwise multiply its attempts by their own ``max_retries``. ``AdmissionRejected`` does not:
+nothing reached the upstream, and its ``Retry-After`` asks the client to come back.
 """
 
 from __future__ import annotations
@@ -246,7 +247,10 @@ class AdmissionRejected(LifetimeError):
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"retry-after": str(self.retry_after), **NO_CLIENT_RETRY}
+        # No x-should-retry: false here. Nothing was sent upstream, so a client's retry multiplies
+        # no upstream attempt; an SDK that retries after Retry-After is what a 503 at capacity
+        # (or during a drain, on a new connection) asks for.
+        return {"retry-after": str(self.retry_after)}
 
 
 class UpstreamError(LifetimeError):

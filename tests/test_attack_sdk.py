@@ -203,3 +203,38 @@ def test_the_gateways_404_for_the_anthropic_sdk_is_anthropic_shaped() -> None:
             client.models.list()
         assert _anthropic_shaped(caught.value.body), caught.value.body
         assert served.upstream.total_requests() == 0
+
+
+# --- the gateway's 503 before any upstream attempt is the SDK's to retry ----------------------------
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_sdk_retries_a_request_the_gateway_could_not_admit(sdk: str) -> None:
+    """Not admitted within ADMISSION_TIMEOUT: 503 with ``Retry-After``. Nothing reached the upstream, so
+    an SDK retry cannot multiply upstream attempts; ``x-should-retry: false`` would contradict the
+    ``Retry-After`` beside it and make every SDK call fail during a burst (or a drain's DRAIN_DELAY)."""
+    path = up.ANTHROPIC_PATH if sdk == "anthropic" else "/v1/chat/completions"
+    with serving(max_inflight=1, admission_timeout=0.3) as served:
+        served.upstream.fail(path, up.Fault(hold=1.0))  # the holder keeps the only slot for a second
+        holder = served.openai() if sdk == "openai" else served.anthropic()
+        waiter = served.openai() if sdk == "openai" else served.anthropic()  # default max_retries=2
+
+        def call(client: Any) -> str:
+            if sdk == "openai":
+                completion = client.chat.completions.create(model="gpt-test", messages=HELLO)
+                return str(completion.choices[0].message.content)
+            message = client.messages.create(model="claude-test", max_tokens=64, messages=HELLO)
+            return str(message.content[0].text)
+
+        answers: list[str] = []
+        thread = threading.Thread(target=lambda: answers.append(call(holder)))
+        thread.start()
+        try:
+            settle(lambda: served.upstream.seen(path).requests == 1, what=lambda: "the holder reached the upstream")
+            assert call(waiter) == up.TEXT  # rejected once (the slot is held), retried by the SDK, answered
+        finally:
+            thread.join(STALL_SECONDS)
+        assert answers == [up.TEXT]
+        assert served.stats()["rejected"] >= 1
+        assert served.upstream.seen(path).requests == 2  # the holder's and the waiter's: each once
+        served.wait_idle()
