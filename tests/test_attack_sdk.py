@@ -260,3 +260,30 @@ def test_upstream_asking_for_a_longer_wait_than_the_cap_is_not_asked_again_early
         assert all(caught.value.response.headers.get(name) == value for name, value in header.items())
         assert served.upstream.seen("/v1/chat/completions").requests == 1
         served.wait_idle()
+
+
+# --- a request the upstream may be working on is not sent again -----------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_upstream.py: a headers timeout after the whole request was sent is retried; a non-streamed "
+    "answer has no headers until it is complete, so each retry is another billed generation",
+)
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_a_slow_non_streamed_answer_is_not_generated_twice(sdk: str) -> None:
+    """A non-streamed completion sends its headers only when the answer is ready: past HEADERS_TIMEOUT
+    (which operators.md suggests lowering below a balancer's idle timeout) the upstream is still
+    generating. Re-sending starts another billed generation (nginx never re-sends a POST that reached
+    an upstream). The client should get the 504 after one attempt."""
+    path = up.ANTHROPIC_PATH if sdk == "anthropic" else "/v1/chat/completions"
+    with serving(headers_timeout=0.3, max_attempts=3) as served:
+        served.upstream.fail(path, up.Fault(hold=STALL_SECONDS), times=None)
+        with pytest.raises((openai.APIStatusError, anthropic.APIStatusError)) as caught:
+            if sdk == "openai":
+                served.openai(max_retries=0).chat.completions.create(model="gpt-test", messages=HELLO)
+            else:
+                served.anthropic(max_retries=0).messages.create(model="claude-test", max_tokens=64, messages=HELLO)
+        assert caught.value.status_code == 504
+        assert served.upstream.seen(path).requests == 1, "the same generation was requested again"
+        served.wait_idle()
