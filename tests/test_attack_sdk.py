@@ -336,3 +336,20 @@ def test_azure_openai_sdk_api_key_header(how: str) -> None:
         forwarded = upstream.headers[0]
         assert forwarded.get("authorization") == "Bearer sk-upstream"
         assert "api-key" not in forwarded, "a client credential reached the upstream beside the gateway's key"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_upstream.py: an upstream's own x-should-retry: false (Anthropic sends it; the SDKs obey it) "
+    "is ignored by the gateway's retry loop, which re-sends the request MAX_ATTEMPTS times",
+)
+@pytest.mark.parametrize("status", [429, 503, 529])
+def test_upstream_saying_do_not_retry_is_not_retried(status: int) -> None:
+    with serving(max_attempts=3) as served:
+        fault = up.Fault(status=status, message="do not retry this", headers={"x-should-retry": "false"})
+        served.upstream.fail(up.ANTHROPIC_PATH, fault, times=None)
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            served.anthropic().messages.create(model="claude-test", max_tokens=64, messages=HELLO)
+        assert caught.value.status_code == status
+        assert served.upstream.seen(up.ANTHROPIC_PATH).requests == 1
+        served.wait_idle()
