@@ -23,15 +23,16 @@ OpenAI-style JSON body ``{"error": {"type", "code", "message"}}``::
 ``BodyAborted`` is never delivered (the client is gone); it is logged and counted.
 Messages never contain request bodies or keys.
 
-``AdmissionRejected`` and the ``UpstreamError`` family answer with ``x-should-retry: false``:
-the gateway already retried (or decided not to), and SDKs that honour the header (openai,
-anthropic) would otherwise multiply its attempts by their own ``max_retries``.
+The ``UpstreamError`` family answers with ``x-should-retry: false``: the gateway already
+retried (or decided not to), and SDKs that honour the header (openai, anthropic) would
+otherwise multiply its attempts by their own ``max_retries``. ``AdmissionRejected`` does not:
+nothing reached the upstream, and its ``Retry-After`` asks the client to come back.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 __all__ = [
@@ -87,17 +88,28 @@ _GOOGLE_STATUSES = {
 }
 
 
-def error_shape(path: str) -> ErrorShape:
-    """The error body shape a client calling ``path`` parses.
+# Request headers only one provider's SDKs send, naming the error shape they parse. (Not a
+# credential header: the gateway may inject those, e.g. x-goog-api-key for any client.)
+_SHAPE_HEADERS: dict[bytes, ErrorShape] = {b"anthropic-version": "anthropic", b"x-goog-api-client": "gemini"}
+
+
+def error_shape(path: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> ErrorShape:
+    """The error body shape a client calling ``path`` with request ``headers`` parses.
 
     Anthropic's Messages API (``/v1/messages...``) and Gemini's model methods
-    (``/models/<model>:generateContent`` and the like) have their own; everything else
-    gets OpenAI's, which most gateways and SDKs speak.
+    (``/models/<model>:generateContent`` and the like) have their own. Elsewhere the client's
+    SDK says who it is: the anthropic SDKs send ``anthropic-version`` on every call (models,
+    files, batches...), Google's send ``x-goog-api-client``. Everything
+    else gets OpenAI's, which most gateways and SDKs speak.
     """
     if "/v1/messages" in path or path.endswith("/v1/complete"):
         return "anthropic"
     if "/models/" in path and ":" in path.rsplit("/", 1)[-1]:
         return "gemini"
+    for name, _ in headers:
+        shape = _SHAPE_HEADERS.get(name.lower())
+        if shape is not None:
+            return shape
     return "openai"
 
 
@@ -235,7 +247,10 @@ class AdmissionRejected(LifetimeError):
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"retry-after": str(self.retry_after), **NO_CLIENT_RETRY}
+        # No x-should-retry: false here. Nothing was sent upstream, so a client's retry multiplies
+        # no upstream attempt; an SDK that retries after Retry-After is what a 503 at capacity
+        # (or during a drain, on a new connection) asks for.
+        return {"retry-after": str(self.retry_after)}
 
 
 class UpstreamError(LifetimeError):

@@ -122,7 +122,7 @@ class Forwarder:
                 reissue=reissue if prepared.body is not None else None,
                 counters=self.lifetime.counters,
                 stop=self.stop,
-                error_shape=error_shape(scope["path"]),
+                error_shape=error_shape(scope["path"], scope["headers"]),
             )
             prepared.release_body()
             # Below 32 MiB glibc may have put the body on the heap (its mmap threshold grows): give it back too.

@@ -360,6 +360,6 @@ async def send_error(
     scope: Scope, send: Send, exc: LifetimeError, *, extra_headers: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
     """Send ``exc`` as a complete JSON error response, in the shape the client of ``scope`` parses."""
-    start, body = exc.asgi_response(extra_headers, shape=error_shape(scope["path"]))
+    start, body = exc.asgi_response(extra_headers, shape=error_shape(scope["path"], scope["headers"]))
     await send(start)
     await send({"type": "http.response.body", "body": body, "more_body": False})

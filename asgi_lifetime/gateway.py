@@ -113,7 +113,7 @@ def create_app(
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         message = exc.detail if isinstance(exc, HTTPException) else "internal error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
-        shape = error_shape(request.url.path)
+        shape = error_shape(request.url.path, request.scope["headers"])
         body = error_body(shape, status, "invalid_request_error", code, f"{message}: {request.url.path}")
         return JSONResponse(body, status_code=status)
 
@@ -121,7 +121,7 @@ def create_app(
         # The last resort (Starlette's ServerErrorMiddleware calls it, then re-raises for the server
         # to log too): an OpenAI-style JSON 500 that says nothing of the exception, which is logged.
         logger.error("unexpected %s serving %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
-        body = LifetimeError("internal error").json_body(error_shape(request.url.path))
+        body = LifetimeError("internal error").json_body(error_shape(request.url.path, request.scope["headers"]))
         return Response(body, status_code=500, media_type="application/json")
 
     @contextlib.asynccontextmanager

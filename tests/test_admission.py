@@ -127,7 +127,7 @@ async def test_timeout_rejects_with_503(counters: Counters) -> None:
     with anyio.fail_after(2), pytest.raises(AdmissionRejected) as info:
         await admission.acquire(1)
     assert info.value.status_code == 503
-    assert info.value.headers == {"retry-after": "1", "x-should-retry": "false"}
+    assert info.value.headers == {"retry-after": "1"}  # the client may retry: nothing went upstream
     assert "not admitted within 0.05 seconds" in info.value.message
     assert counters.rejected == 1
     assert counters.admitted == 1
