@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -70,6 +71,9 @@ class _Failure:
 
     timeout: bool
     reason: str
+    # False once the upstream may have the whole request (it timed out waiting for the answer):
+    # a non-streamed answer sends no headers until it is generated, so re-sending bills it twice.
+    retryable: bool = True
 
     def error(self, attempts: int) -> UpstreamError:
         tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
@@ -85,12 +89,13 @@ _SEND_SLICE = 1024 * 1024
 
 
 class _BodyIterator:
-    __slots__ = ("_holder", "_body", "_offset")
+    __slots__ = ("_holder", "_body", "_offset", "_stream")
 
-    def __init__(self, holder: Prepared) -> None:
+    def __init__(self, holder: Prepared, stream: _BodyStream) -> None:
         self._holder = holder
         self._body: bytes | None = None
         self._offset = 0
+        self._stream = stream
 
     def __aiter__(self) -> _BodyIterator:
         return self
@@ -101,6 +106,7 @@ class _BodyIterator:
         body = self._body
         if not body or self._offset >= len(body):
             self._body = None
+            self._stream.sent = True
             raise StopAsyncIteration
         if self._offset == 0 and len(body) <= _SEND_SLICE:
             self._offset = len(body)
@@ -115,9 +121,10 @@ class _BodyStream(httpx.AsyncByteStream):
 
     def __init__(self, holder: Prepared) -> None:
         self._holder = holder
+        self.sent = False  # the whole body was handed to the connection
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return _BodyIterator(self._holder)
+        return _BodyIterator(self._holder, self)
 
 
 class _Tracked(httpx.AsyncByteStream):
@@ -242,6 +249,26 @@ class _Run:
 
 def _join(base: str, path: str) -> str:
     return base[:-1] + path if base.endswith("/") and path.startswith("/") else base + path
+
+
+def _asked_wait(headers: httpx.Headers) -> float | None:
+    """The wait the upstream asked for: ``retry-after-ms`` (OpenAI, Anthropic) or ``Retry-After``."""
+    milliseconds = headers.get("retry-after-ms")
+    if milliseconds:
+        try:
+            value = float(milliseconds) / 1000
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(value):
+                return max(0.0, value)
+    return _retry_after(headers.get("retry-after"))
+
+
+def _says_no_retry(headers: httpx.Headers) -> bool:
+    """The upstream's own ``x-should-retry: false`` (Anthropic's API sends it)."""
+    value: str = headers.get("x-should-retry", "")
+    return value.strip().lower() == "false"
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -436,7 +463,7 @@ class UpstreamClient:
             if isinstance(outcome, _Failure):
                 failed.add(base)
                 delay = self._backoff(backoffs, None)
-                if not (more and self._clock() + delay <= deadline):
+                if not (outcome.retryable and more and self._clock() + delay <= deadline):
                     raise outcome.error(run.attempts) from None
                 await self._pause(run.attempts, None, outcome.reason, delay)
                 backoffs += 1
@@ -447,7 +474,19 @@ class UpstreamClient:
                 status = response.status_code
                 if status in _RETRY_STATUSES:
                     failed.add(base)
-                    delay = self._backoff(backoffs, response.headers.get("retry-after"))
+                    asked = _asked_wait(response.headers)
+                    if _says_no_retry(response.headers) or (
+                        # A wait longer than we would keep the client waiting, and nowhere else to go:
+                        # re-sending early would count against the key; the client gets the wait.
+                        asked is not None
+                        and asked > settings.retry_after_cap
+                        and len(failed) >= len(self._pool.urls)
+                    ):
+                        # The upstream said whether or when to ask again: its answer goes to the client
+                        # as it is (the SDKs honour both headers).
+                        keep = True
+                        return response
+                    delay = self._backoff(backoffs, asked)
                     if not (more and self._clock() + delay <= deadline):
                         if settings.max_attempts > 1:
                             # Our retries are spent: an SDK retrying this would multiply them. (With
@@ -489,14 +528,21 @@ class UpstreamClient:
                 response = await self._client.send(request, stream=True)
         except TimeoutError:
             release()
-            return _Failure(timeout=True, reason=f"no response headers within {self._settings.headers_timeout:g}s")
+            return _Failure(
+                timeout=True,
+                reason=f"no response headers within {self._settings.headers_timeout:g}s",
+                # Sent whole: the upstream may be generating the answer now. (GET and HEAD are safe.)
+                retryable=request.method in ("GET", "HEAD") or not getattr(request.stream, "sent", False),
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             release()
             self._pool.mark_down(base)  # its sessions fail over until the cool-off ends
             return _Failure(timeout=isinstance(exc, httpx.TimeoutException), reason=type(exc).__name__)
         except httpx.TimeoutException as exc:
             release()
-            return _Failure(timeout=True, reason=type(exc).__name__)
+            # A read timeout comes after the request was sent; a write or pool timeout before.
+            retryable = request.method in ("GET", "HEAD") or not isinstance(exc, httpx.ReadTimeout)
+            return _Failure(timeout=True, reason=type(exc).__name__, retryable=retryable)
         except httpx.TransportError as exc:
             release()
             return _Failure(timeout=False, reason=type(exc).__name__)
@@ -541,11 +587,10 @@ class UpstreamClient:
         encoded = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         return httpx.Request(prepared.method, url, headers=encoded, stream=_BodyStream(prepared))
 
-    def _backoff(self, retries: int, retry_after: str | None) -> float:
-        """Full jitter over an exponential ceiling, or the upstream's ``Retry-After`` if longer (capped)."""
+    def _backoff(self, retries: int, asked: float | None) -> float:
+        """Full jitter over an exponential ceiling, or the upstream's asked wait if longer (capped)."""
         settings = self._settings
         delay = self._random.uniform(0, min(settings.backoff_max, settings.backoff_base * 2**retries))
-        asked = _retry_after(retry_after)
         if asked is not None:
             delay = max(delay, min(asked, settings.retry_after_cap))
         return delay

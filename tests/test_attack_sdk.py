@@ -245,11 +245,6 @@ def test_sdk_retries_a_request_the_gateway_could_not_admit(sdk: str) -> None:
 # --- the upstream's Retry-After is honoured, or the gateway does not retry -------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_upstream.py: an upstream Retry-After above RETRY_AFTER_CAP is cut to the cap and the request is "
-    "re-sent early (and retry-after-ms is not read at all): the rate-limited upstream is asked again too soon",
-)
 @pytest.mark.parametrize("header", [{"retry-after": "5"}, {"retry-after-ms": "5000"}], ids=["seconds", "ms"])
 def test_upstream_asking_for_a_longer_wait_than_the_cap_is_not_asked_again_early(header: dict[str, str]) -> None:
     """A 429 asking for 5 s with RETRY_AFTER_CAP=0.05: re-sending after 0.05 s ignores what the
@@ -267,11 +262,6 @@ def test_upstream_asking_for_a_longer_wait_than_the_cap_is_not_asked_again_early
 # --- a request the upstream may be working on is not sent again -----------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_upstream.py: a headers timeout after the whole request was sent is retried; a non-streamed "
-    "answer has no headers until it is complete, so each retry is another billed generation",
-)
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
 def test_a_slow_non_streamed_answer_is_not_generated_twice(sdk: str) -> None:
     """A non-streamed completion sends its headers only when the answer is ready: past HEADERS_TIMEOUT
@@ -340,11 +330,6 @@ def test_azure_openai_sdk_api_key_header(how: str) -> None:
         assert "api-key" not in forwarded, "a client credential reached the upstream beside the gateway's key"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_upstream.py: an upstream's own x-should-retry: false (Anthropic sends it; the SDKs obey it) "
-    "is ignored by the gateway's retry loop, which re-sends the request MAX_ATTEMPTS times",
-)
 @pytest.mark.parametrize("status", [429, 503, 529])
 def test_upstream_saying_do_not_retry_is_not_retried(status: int) -> None:
     with serving(max_attempts=3) as served:
@@ -431,12 +416,6 @@ class _Watched(httpx.AsyncByteStream):
         pass
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_relay.py: _pump closes only the outermost iterator (aiter_raw) and the response, so httpx's "
-    "inner stream generators stay suspended until the GC finds them (on trio: a ResourceWarning per "
-    "disconnect, and test_sdk's hypercorn-trio client-closes case fails now and then)",
-)
 @pytest.mark.anyio
 async def test_a_client_leaving_while_the_relay_sends_finalizes_the_upstream_iterators(anyio_backend: str) -> None:
     """The client leaves while the relay is blocked sending to it (a client that stopped reading): the

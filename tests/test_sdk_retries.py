@@ -86,6 +86,12 @@ def message(client: anthropic.Anthropic) -> None:
     client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}], timeout=20)
 
 
+def _upstream_requests(status: int) -> int:
+    # No headers in time after the whole request was sent: the upstream may be generating the
+    # answer, so the gateway does not send it again (one request); the others, MAX_ATTEMPTS.
+    return 1 if status == -1 else ATTEMPTS
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_openai_sdk_does_not_multiply_the_gateways_retries(case: str) -> None:
     status, expected = CASES[case]
@@ -95,7 +101,7 @@ def test_openai_sdk_does_not_multiply_the_gateways_retries(case: str) -> None:
                 chat(client)
         assert info.value.status_code == expected
         assert info.value.response.headers["x-should-retry"] == "false"
-    assert len(upstream.requests) == ATTEMPTS
+    assert len(upstream.requests) == _upstream_requests(status)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -106,7 +112,7 @@ def test_anthropic_sdk_does_not_multiply_the_gateways_retries(case: str) -> None
             with anthropic.Anthropic(base_url=url, api_key="k") as client:
                 message(client)
         assert info.value.status_code == expected
-    assert len(upstream.requests) == ATTEMPTS
+    assert len(upstream.requests) == _upstream_requests(status)
 
 
 @pytest.mark.anyio

@@ -188,7 +188,7 @@ async def test_retryable_status_then_success(status: int) -> None:
 
 @pytest.mark.parametrize(
     "error",
-    [httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ReadError],
+    [httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteTimeout, httpx.RemoteProtocolError, httpx.ReadError],
 )
 async def test_transport_error_then_success(error: type[httpx.TransportError]) -> None:
     recorder = Recorder()
@@ -200,6 +200,61 @@ async def test_transport_error_then_success(error: type[httpx.TransportError]) -
     assert response.status_code == 200 and route.call_count == 2
     assert recorder.events[0].kind == "retry" and recorder.events[0].reason == error.__name__
     assert recorder.settled == 1
+
+
+@pytest.mark.parametrize(("method", "calls"), [("POST", 1), ("GET", 2)])
+async def test_a_read_timeout_after_the_request_was_sent_is_not_retried(method: str, calls: int) -> None:
+    """The upstream had the whole request and may be generating the answer (a non-streamed answer
+    sends no headers until it is done): sending it again would bill it twice. GET is safe to repeat."""
+    recorder = Recorder()
+    with respx.mock(base_url=BASE, assert_all_called=True) as router:
+        route = router.route(method=method, path=PATH).mock(
+            side_effect=[httpx.ReadTimeout("timed out"), httpx.Response(200, json=OK)]
+        )
+        async with make_upstream(recorder) as upstream:
+            prepared = simple() if method == "POST" else Prepared(method="GET", path=PATH, headers=[], body=None)
+            if calls == 1:
+                with pytest.raises(UpstreamTimeout):
+                    await upstream.forward(prepared, on_retries_settled=recorder.on_settled)
+            else:
+                response = await upstream.forward(prepared, on_retries_settled=recorder.on_settled)
+                await response.aclose()
+    assert route.call_count == calls and recorder.settled == 1
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"x-should-retry": "false"}, {"retry-after": "100"}, {"retry-after-ms": "100000"}],
+    ids=["should-retry-false", "retry-after-over-cap", "retry-after-ms-over-cap"],
+)
+async def test_the_upstreams_own_retry_advice_is_followed(headers: dict[str, str]) -> None:
+    """``x-should-retry: false``, or a wait over RETRY_AFTER_CAP with nowhere else to go: the
+    answer goes to the client as the upstream sent it (the SDKs honour both), after one attempt."""
+    recorder = Recorder()
+    with respx.mock(base_url=BASE, assert_all_called=False) as router:
+        route = router.post(PATH).mock(side_effect=[httpx.Response(429, headers=headers), httpx.Response(200)])
+        async with make_upstream(recorder, make_settings(retry_after_cap=5.0)) as upstream:
+            response = await upstream.forward(simple(), on_retries_settled=recorder.on_settled)
+            await response.aclose()
+    assert response.status_code == 429 and route.call_count == 1 and recorder.sleeps == []
+    assert all(response.headers[name] == value for name, value in headers.items())
+    if "x-should-retry" not in headers:
+        assert "x-should-retry" not in response.headers  # the client may wait and retry
+
+
+async def test_retry_after_ms_is_read_before_retry_after() -> None:
+    recorder = Recorder()
+    with respx.mock(base_url=BASE, assert_all_called=True) as router:
+        router.post(PATH).mock(
+            side_effect=[
+                httpx.Response(503, headers={"retry-after-ms": "1500", "retry-after": "1"}),
+                httpx.Response(200),
+            ]
+        )
+        async with make_upstream(recorder, make_settings(retry_after_cap=5.0)) as upstream:
+            response = await upstream.forward(simple(), on_retries_settled=recorder.on_settled)
+            await response.aclose()
+    assert recorder.sleeps == [1.5]
 
 
 async def test_discarded_responses_are_closed_before_the_next_attempt() -> None:
@@ -226,7 +281,7 @@ async def test_retry_after_seconds_is_honoured_and_capped() -> None:
         router.post(PATH).mock(
             side_effect=[
                 httpx.Response(503, headers={"Retry-After": "3"}),
-                httpx.Response(429, headers={"Retry-After": "100"}),
+                httpx.Response(429, headers={"Retry-After": "5"}),
                 httpx.Response(503, headers={"Retry-After": "soon"}),
                 httpx.Response(200),
             ]
@@ -235,7 +290,7 @@ async def test_retry_after_seconds_is_honoured_and_capped() -> None:
             response = await upstream.forward(simple(), on_retries_settled=recorder.on_settled)
             await response.aclose()
     assert recorder.sleeps[0] == 3.0
-    assert recorder.sleeps[1] == 5.0  # the cap
+    assert recorder.sleeps[1] == 5.0  # at the cap (over it, the answer goes to the client)
     assert 0 <= recorder.sleeps[2] <= 0.04  # unparseable: jitter only (third backoff, ceiling 0.04)
     assert [e.delay for e in recorder.events if e.kind == "retry"] == recorder.sleeps
 
@@ -325,7 +380,7 @@ async def test_deadline_stops_before_sleeping_past_it() -> None:
         (httpx.ConnectError("[Errno 111] Connection refused"), UpstreamUnreachable, 502),
         (httpx.RemoteProtocolError("Server disconnected without sending a response."), UpstreamUnreachable, 502),
         (httpx.ConnectTimeout("timed out"), UpstreamTimeout, 504),
-        (httpx.ReadTimeout("timed out"), UpstreamTimeout, 504),
+        (httpx.WriteTimeout("timed out"), UpstreamTimeout, 504),
     ],
 )
 async def test_exhausted_transport_errors_raise(
