@@ -478,9 +478,7 @@ class UpstreamClient:
                     if _says_no_retry(response.headers) or (
                         # A wait longer than we would keep the client waiting, and nowhere else to go:
                         # re-sending early would count against the key; the client gets the wait.
-                        asked is not None
-                        and asked > settings.retry_after_cap
-                        and len(failed) >= len(self._pool.urls)
+                        asked is not None and asked > settings.retry_after_cap and len(failed) >= len(self._pool.urls)
                     ):
                         # The upstream said whether or when to ask again: its answer goes to the client
                         # as it is (the SDKs honour both headers).
