@@ -35,12 +35,14 @@ from ._middleware import route_path, send_error
 __all__ = ["REDACTED", "UPSTREAM_AUTH_SCHEMES", "GatewayAuth", "KeyScrubber", "is_loopback"]
 
 # Every header a client may carry a credential in, whatever the scheme the gateway injects.
-_CREDENTIAL_HEADERS = (b"authorization", b"x-api-key", b"x-goog-api-key")
+# Where clients put a key: OpenAI's SDK (Bearer), Anthropic's (x-api-key), Gemini's, Azure OpenAI's.
+_CREDENTIAL_HEADERS = (b"authorization", b"x-api-key", b"x-goog-api-key", b"api-key")
 # UPSTREAM_AUTH -> the header the upstream key goes in, and how its value is written.
 UPSTREAM_AUTH_SCHEMES: dict[str, tuple[bytes, str]] = {
     "bearer": (b"authorization", "Bearer {key}"),
     "x-api-key": (b"x-api-key", "{key}"),
     "x-goog-api-key": (b"x-goog-api-key", "{key}"),
+    "api-key": (b"api-key", "{key}"),
 }
 REDACTED = "[redacted]"
 
@@ -80,7 +82,7 @@ class GatewayAuth:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if self._keys:
             allowed = self._accepts(_presented(headers))
-            problem = "a valid gateway key is required (Authorization: Bearer <key>)"
+            problem = "a valid gateway key is required (Authorization: Bearer <key>, x-api-key, x-goog-api-key or api-key)"
         else:
             client = scope.get("client")
             allowed = client is not None and is_loopback(str(client[0]))
@@ -127,7 +129,7 @@ def _presented(headers: list[tuple[bytes, bytes]]) -> bytes | None:
             scheme, _, token = value.partition(b" ")
             if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
-        elif name in (b"x-api-key", b"x-goog-api-key") and value.strip():
+        elif name in _CREDENTIAL_HEADERS and value.strip():
             return value.strip()
     return None
 

@@ -135,7 +135,7 @@ def _header_name(value: Any) -> str | None:
     return None if re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", value) else "must be a valid HTTP header name"
 
 
-_UPSTREAM_AUTH = ("bearer", "x-api-key", "x-goog-api-key")  # the schemes of _auth.UPSTREAM_AUTH_SCHEMES
+_UPSTREAM_AUTH = ("bearer", "x-api-key", "x-goog-api-key", "api-key")  # the schemes of _auth.UPSTREAM_AUTH_SCHEMES
 
 
 def _upstream_auth(value: Any) -> str | None:
@@ -200,7 +200,7 @@ SETTINGS: dict[str, SettingSpec] = {
             "upstream_auth",
             _parse_lower,
             _upstream_auth,
-            "How UPSTREAM_API_KEY is sent: bearer (Authorization), x-api-key or x-goog-api-key.",
+            "How UPSTREAM_API_KEY is sent: bearer (Authorization), x-api-key, x-goog-api-key or api-key (Azure OpenAI).",
         ),
         SettingSpec("gateway_keys", _parse_list, _keys, "Comma-separated keys clients may present.", secret=True),
         SettingSpec("upstream_cooloff", _parse_float, _non_negative, "Seconds an upstream that failed is skipped."),

@@ -304,11 +304,6 @@ class _Recording:
 AZURE: dict[str, Any] = {"upstream_api_key": "sk-upstream", "gateway_keys": ("gateway-key",), "paths": ("/openai/",)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_auth.py: api-key (Azure OpenAI's credential header, which operators.md says is dropped) is "
-    "neither dropped before forwarding nor accepted as the gateway key",
-)
 @pytest.mark.parametrize("how", ["api-key is the gateway key", "api-key beside a bearer gateway key"])
 def test_azure_openai_sdk_api_key_header(how: str) -> None:
     upstream = _Recording()
