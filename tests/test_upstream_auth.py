@@ -38,11 +38,13 @@ CLIENT_CREDENTIALS = {
     "authorization": "Bearer gk",
     "x-api-key": "client-x-api-key",
     "x-goog-api-key": "client-goog-key",
+    "api-key": "client-azure-key",
 }
 INJECTED = {
     "bearer": (b"authorization", f"Bearer {KEY}".encode()),
     "x-api-key": (b"x-api-key", KEY.encode()),
     "x-goog-api-key": (b"x-goog-api-key", KEY.encode()),
+    "api-key": (b"api-key", KEY.encode()),
 }
 
 
