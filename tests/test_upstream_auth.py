@@ -75,13 +75,13 @@ async def test_the_injected_key_replaces_every_client_credential(
         got = await client.post(PATH + query, headers=CLIENT_CREDENTIALS, content=b"{}")
     assert got.status_code == 200
     headers = seen[0]["headers"]
-    credentials = [(k, v) for k, v in headers if k in (b"authorization", b"x-api-key", b"x-goog-api-key")]
+    credentials = [(k, v) for k, v in headers if k in (b"authorization", b"x-api-key", b"x-goog-api-key", b"api-key")]
     assert credentials == [INJECTED[scheme]]  # exactly one credential, ours
     assert seen[0]["query_string"] == forwarded_query
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("header", ["x-api-key", "x-goog-api-key", "authorization"])
+@pytest.mark.parametrize("header", ["x-api-key", "x-goog-api-key", "api-key", "authorization"])
 async def test_gateway_key_may_come_in_any_credential_header(header: str) -> None:
     seen: list[Scope] = []
     app = GatewayAuth(recorder(seen), gateway_keys=("gk",), upstream_api_key=KEY, upstream_auth="x-goog-api-key")
