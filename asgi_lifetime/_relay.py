@@ -231,14 +231,22 @@ class _Relay:
                 raise error
         finally:
             error = None
+            answered = self._answered()
             for upstream in self.responses:
                 await close_response(upstream)
             self.responses.clear()
             self._drop_held()
         if self.disconnected:
-            outcome = "client_disconnected"
+            # A client that leaves once it has the terminal event had the whole answer (the openai
+            # SDK closes at [DONE], often before the upstream's end of body arrives).
+            outcome = "complete" if answered else "client_disconnected"
         status = self.status or _CLIENT_DISCONNECTED_STATUS
         return RelayResult(status, self.bytes_out, self.first_byte_at, outcome, self.reissued)
+
+    def _answered(self) -> bool:
+        """The client was sent a recognised stream's terminal event after its content."""
+        tracker = self.tracker
+        return tracker is not None and tracker.saw_terminal and not tracker.starved and not self.withheld
 
     # -- helper tasks ---------------------------------------------------------------------------
 

@@ -103,11 +103,6 @@ def _recorded(served: Served) -> tuple[int, str]:
 # --- a stream read to its end is a complete answer -------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_relay.py: a client that leaves after the stream's terminal event ([DONE]) is recorded as "
-    "client_disconnected; the openai SDK always closes at [DONE] without waiting for the end of the body",
-)
 def test_chat_stream_read_to_done_is_recorded_complete() -> None:
     """The openai SDK stops reading at ``data: [DONE]`` and closes the connection. When the upstream's
     end of body comes after that (a moment later, over a real network), the client had the whole

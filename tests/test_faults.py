@@ -660,7 +660,7 @@ CELLS: dict[str, Cell] = {
         504,
         code="upstream_timeout",
         outcome="error",
-        attempts=2,
+        attempts=1,  # the whole request was sent: the upstream may be generating, so no second one
         settings=(("headers_timeout", 0.3), ("max_attempts", 2)),
     ),
     "stall-after-headers": Cell("stall", False, 200, truncated=True, outcome="stalled"),
