@@ -334,7 +334,7 @@ def create_demo_upstream(*, tokens_per_second: float = 50.0, default_tokens: int
 
     Replies are deterministic lorem-ipsum words (one word per token, seeded by ``seed`` and the
     request's messages), ``max_tokens`` long (default ``default_tokens``, capped at 4096), streamed at
-    ``tokens_per_second``. Serve it with :func:`asgi_lifetime._serve.serve_in_thread`::
+    ``tokens_per_second``. Serve it with ``asgi_lifetime.testing.serve_in_thread``:
 
         app = create_demo_upstream(tokens_per_second=1000)
         app.state.behaviour = "fail=1"  # app-wide; a request's x-demo-behaviour header adds to it

@@ -144,7 +144,7 @@ class LifetimeError(Exception):
         return {}
 
     def to_dict(self, shape: ErrorShape = "openai") -> dict[str, Any]:
-        """This error as the JSON body a client of ``shape`` parses (see :func:`error_shape`)."""
+        """This error as the JSON body a client of ``shape`` parses (see ``error_shape()``)."""
         return error_body(shape, self.status_code, self.error_type, self.code, self.message)
 
     def json_body(self, shape: ErrorShape = "openai") -> bytes:

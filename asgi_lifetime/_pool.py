@@ -67,7 +67,7 @@ class _Upstream:
 class UpstreamPool:
     """Upstream replicas with session affinity, least-in-flight balancing and cool-off.
 
-    Only touched from the event loop thread, so plain ints suffice::
+    Only touched from the event loop thread, so plain ints suffice:
 
         pool = UpstreamPool(["http://a:8000", "http://b:8000"], cooloff=30.0)
         url = pool.choose(session_id)

@@ -1,10 +1,10 @@
 """The standalone gateway: ``create_app()`` returns a Starlette app running the whole flow.
 
-Run it configured only by the environment::
+Run it configured only by the environment:
 
     ASGI_LIFETIME_UPSTREAM_URL=http://127.0.0.1:8000 uvicorn --factory asgi_lifetime.gateway:create_app
 
-or mount it in an existing app::
+or mount it in an existing app:
 
     app.mount("/llm", create_app(LifetimeSettings(upstream_url=("http://127.0.0.1:8000",))))
 
