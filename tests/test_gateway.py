@@ -337,7 +337,7 @@ async def test_upstream_timeout_is_a_504() -> None:
         async with gateway() as (app, client):
             response = await client.post(PATH, json=CHAT)
     assert_json_error(response, 504, "upstream_timeout")
-    assert route.call_count == 3
+    assert route.call_count == 1  # sent whole: the upstream may be generating, so it is not sent again
     assert_idle(app)
 
 
@@ -355,7 +355,7 @@ async def test_upstream_headers_timeout_is_a_504() -> None:
         async with gateway(make_settings(headers_timeout=0.05, max_attempts=2)) as (app, client):
             response = await client.post(PATH, json=CHAT)
     assert_json_error(response, 504, "upstream_timeout")
-    assert len(started) == 2
+    assert len(started) == 1  # sent whole: the upstream may be generating, so it is not sent again
     assert_idle(app)
 
 
