@@ -82,7 +82,9 @@ class GatewayAuth:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if self._keys:
             allowed = self._accepts(_presented(headers))
-            problem = "a valid gateway key is required (Authorization: Bearer <key>, x-api-key, x-goog-api-key or api-key)"
+            problem = (
+                "a valid gateway key is required (Authorization: Bearer <key>, x-api-key, x-goog-api-key or api-key)"
+            )
         else:
             client = scope.get("client")
             allowed = client is not None and is_loopback(str(client[0]))

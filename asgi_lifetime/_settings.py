@@ -200,7 +200,8 @@ SETTINGS: dict[str, SettingSpec] = {
             "upstream_auth",
             _parse_lower,
             _upstream_auth,
-            "How UPSTREAM_API_KEY is sent: bearer (Authorization), x-api-key, x-goog-api-key or api-key (Azure OpenAI).",
+            "How UPSTREAM_API_KEY is sent: bearer (Authorization), x-api-key, x-goog-api-key"
+            " or api-key (Azure OpenAI).",
         ),
         SettingSpec("gateway_keys", _parse_list, _keys, "Comma-separated keys clients may present.", secret=True),
         SettingSpec("upstream_cooloff", _parse_float, _non_negative, "Seconds an upstream that failed is skipped."),
