@@ -10,7 +10,6 @@ the upstream must see each request exactly once (no retry caused by the desync).
 from __future__ import annotations
 
 import gc
-import logging
 import types
 from typing import Any
 
@@ -21,9 +20,9 @@ import httpx
 import pytest
 
 from asgi_lifetime._relay import relay
-from asgi_lifetime._transport import GuardedTransport, stop_reading
+from asgi_lifetime._transport import GuardedTransport, _leftover, stop_reading
 
-from ._raw_upstream import CLOSE, HOLD, RawRequest, Script, chunked, raw_upstream, response
+from ._raw_upstream import HOLD, RawRequest, Script, chunked, raw_upstream, response
 from .test_faults import assert_idle, running
 
 pytestmark = pytest.mark.anyio
@@ -121,26 +120,28 @@ def test_httpcore_internals_the_guard_relies_on() -> None:
     assert hasattr(transport._pool, "_ssl_context")
 
 
-async def test_only_bytes_after_a_response_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    """An upstream that closes its end after a complete response (its idle timeout, a restart):
-    the connection is not reused, and that is no misbehaviour to warn about. Bytes after a
-    complete response are."""
-    close_delimited = response(200, b"all of it")
-    smuggling = response(200, b"one") + response(200, b"smuggled")
-    with caplog.at_level(logging.WARNING, logger="asgi_lifetime._transport"):
-        for first, expected in ((close_delimited, b"all of it"), (smuggling, b"one")):
-            caplog.clear()
+def _exchanged(after: bytes, *, eof: bool) -> Any:
+    """An httpcore-shaped connection whose h11 state finished one exchange, then got ``after`` (and EOF)."""
+    state = h11.Connection(h11.CLIENT)
+    state.send(h11.Request(method="POST", target="/v1/first", headers=[("host", "x"), ("content-length", "0")]))
+    state.send(h11.EndOfMessage())
+    state.receive_data(response(200, b"one") + after)
+    if eof:
+        state.receive_data(b"")
+    while not isinstance(state.next_event(), h11.EndOfMessage):
+        pass
+    return types.SimpleNamespace(_connection=types.SimpleNamespace(_h11_state=state, _network_stream=None))
 
-            def answer(request: RawRequest, first: bytes = first) -> Script:
-                return [first, CLOSE] if request.target.startswith("/v1/first") else script(first)(request)
 
-            with raw_upstream(answer) as upstream:
-                transport = GuardedTransport(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
-                async with httpx.AsyncClient(transport=transport, base_url=upstream.url) as client:
-                    assert (await client.post("/v1/first")).content == expected
-                    assert (await client.post("/v1/second")).content == SECOND
-            warned = [r for r in caplog.records if "after a complete response" in r.getMessage()]
-            assert len(warned) == (1 if first is smuggling else 0), caplog.records
+@pytest.mark.parametrize(
+    ("after", "eof", "verdict"),
+    [(b"", False, ""), (b"", True, "closed"), (response(200, b"smuggled"), False, "bytes"), (b"junk", True, "bytes")],
+    ids=["nothing", "upstream-closed", "second-response", "bytes-then-eof"],
+)
+def test_what_follows_a_response_decides_reuse_and_warning(after: bytes, eof: bool, verdict: str) -> None:
+    """The upstream closing its end after a complete response (its idle timeout, a restart) is no
+    misbehaviour: the connection is not reused, without a warning. Bytes after a response are."""
+    assert _leftover(_exchanged(after, eof=eof)) == verdict
 
 
 def _suspended_stream_generators() -> list[str]:
