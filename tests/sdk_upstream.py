@@ -268,7 +268,7 @@ class ScriptedUpstream:
     async def _models(self, request: Request) -> Response:
         await self._start(request)
         if "anthropic-version" in request.headers:
-            data = [
+            data: list[dict[str, object]] = [
                 {"type": "model", "id": "claude-test", "display_name": "Claude", "created_at": "2025-01-01T00:00:00Z"}
             ]
             return JSONResponse({"data": data, "has_more": False, "first_id": "claude-test", "last_id": "claude-test"})

@@ -26,7 +26,7 @@ from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway import create_app
 
 from . import sdk_upstream as up
-from .test_sdk import HELLO, SDK_TIMEOUT, SETTINGS, STALL_SECONDS, Served, _closing, serving, settle
+from .test_sdk import CLAUDE_HELLO, HELLO, SDK_TIMEOUT, SETTINGS, STALL_SECONDS, Served, _closing, serving, settle
 
 SESSION = "attack-sdk-session"
 
@@ -220,7 +220,7 @@ def test_sdk_retries_a_request_the_gateway_could_not_admit(sdk: str) -> None:
             if sdk == "openai":
                 completion = client.chat.completions.create(model="gpt-test", messages=HELLO)
                 return str(completion.choices[0].message.content)
-            message = client.messages.create(model="claude-test", max_tokens=64, messages=HELLO)
+            message = client.messages.create(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO)
             return str(message.content[0].text)
 
         answers: list[str] = []
@@ -270,8 +270,12 @@ def test_a_slow_non_streamed_answer_is_not_generated_twice(sdk: str) -> None:
             if sdk == "openai":
                 served.openai(max_retries=0).chat.completions.create(model="gpt-test", messages=HELLO)
             else:
-                served.anthropic(max_retries=0).messages.create(model="claude-test", max_tokens=64, messages=HELLO)
-        assert caught.value.status_code == 504
+                served.anthropic(max_retries=0).messages.create(
+                    model="claude-test", max_tokens=64, messages=CLAUDE_HELLO
+                )
+        error = caught.value
+        assert isinstance(error, (openai.APIStatusError, anthropic.APIStatusError))  # narrows the tuple's common base
+        assert error.status_code == 504
         assert served.upstream.seen(path).requests == 1, "the same generation was requested again"
         served.wait_idle()
 
@@ -326,7 +330,7 @@ def test_upstream_saying_do_not_retry_is_not_retried(status: int) -> None:
         fault = up.Fault(status=status, message="do not retry this", headers={"x-should-retry": "false"})
         served.upstream.fail(up.ANTHROPIC_PATH, fault, times=None)
         with pytest.raises(anthropic.APIStatusError) as caught:
-            served.anthropic().messages.create(model="claude-test", max_tokens=64, messages=HELLO)
+            served.anthropic().messages.create(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO)
         assert caught.value.status_code == status
         assert served.upstream.seen(up.ANTHROPIC_PATH).requests == 1
         served.wait_idle()

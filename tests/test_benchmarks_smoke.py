@@ -15,7 +15,10 @@ import pytest
 pytest.importorskip("psutil")
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for peak RSS")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for peak RSS"),
+    pytest.mark.slow,  # a subprocess running the benchmark suite: CI runs it in its own step (-m slow)
+]
 
 
 def test_smoke_run_writes_the_report(tmp_path: Path) -> None:

@@ -60,9 +60,13 @@ class Served:
 
 
 def make_app(**changes: Any) -> Served:
-    settings = LifetimeSettings(
-        **{"paths": ("/v1/",), "admission_timeout": 0.5, "body_idle_timeout": 1.0, "max_body_bytes": 64 * KiB} | changes
-    )
+    defaults: dict[str, Any] = {
+        "paths": ("/v1/",),
+        "admission_timeout": 0.5,
+        "body_idle_timeout": 1.0,
+        "max_body_bytes": 64 * KiB,
+    }
+    settings = LifetimeSettings(**defaults | changes)
     served: Served
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -295,7 +299,8 @@ async def post(served: Served, body: bytes, *headers: str) -> tuple[int, dict[st
                     await sender
 
             tg.start_soon(send)
-            return await read_response(stream, seconds=30)
+            answer = await read_response(stream, seconds=30)
+        return answer  # after the task group: mypy cannot tell that its exit never swallows an exception
 
 
 @contextmanager

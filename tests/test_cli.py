@@ -413,8 +413,8 @@ def test_sigterm_lets_a_stream_finish_its_grace_then_ends_it_in_band(tmp_path: P
                 assert '"content"' in next(chunks)
                 process.send_signal(signal.SIGTERM)
                 signalled = time.monotonic()
-                during_grace = []
-                rest = []
+                during_grace: list[str] = []
+                rest: list[str] = []
                 for chunk in chunks:
                     (during_grace if time.monotonic() - signalled < 0.8 else rest).append(chunk)
                 ended_after = time.monotonic() - signalled

@@ -29,7 +29,7 @@ def raw_deflate(data: bytes) -> bytes:
     return compressor.compress(data) + compressor.flush()
 
 
-ENCODERS = {
+ENCODERS: dict[str, Callable[[bytes], bytes]] = {
     "gzip": gzip.compress,
     "x-gzip": gzip.compress,
     "GZIP": gzip.compress,

@@ -471,6 +471,7 @@ def _host_app(kind: str, gateway_app: Any) -> Any:
     async def ping(request: Request) -> Response:
         return PlainTextResponse("pong")
 
+    host: Starlette
     if kind == "fastapi":
         host = FastAPI()
         host.add_api_route("/ping", ping, methods=["GET"])

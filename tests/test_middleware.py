@@ -7,7 +7,7 @@ import json
 import random
 import sys
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import httpx
@@ -101,7 +101,7 @@ async def test_fastapi_request_json_keeps_working() -> None:
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_fastapi_with_testclient(backend: str) -> None:
+def test_fastapi_with_testclient(backend: Literal["asyncio", "trio"]) -> None:
     app = FastAPI()
     app.add_middleware(LifetimeMiddleware, settings=settings())
 
@@ -507,7 +507,9 @@ class ReadsHandlerState(BaseHTTPMiddleware):
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("lifespan_state", [False, True])
-def test_outer_base_http_middleware_sees_request_state_set_by_the_handler(backend: str, lifespan_state: bool) -> None:
+def test_outer_base_http_middleware_sees_request_state_set_by_the_handler(
+    backend: Literal["asyncio", "trio"], lifespan_state: bool
+) -> None:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         yield {"db": "from lifespan"}

@@ -224,7 +224,12 @@ def test_the_standard_library_parses_what_msgspec_refuses_for_its_own_reasons(
 ) -> None:
     calls: list[str] = []
     stdlib = json.loads
-    monkeypatch.setattr(json, "loads", lambda text, **kw: calls.append(text) or stdlib(text, **kw))
+
+    def counting(text: str, **kw: Any) -> Any:
+        calls.append(text)
+        return stdlib(text, **kw)
+
+    monkeypatch.setattr(json, "loads", counting)
     assert json.dumps(_json.loads(raw)) == json.dumps(stdlib(raw.decode()))
     assert len(calls) == 1
 
@@ -307,7 +312,12 @@ async def test_a_large_parse_runs_in_a_worker_thread_and_the_loop_keeps_running(
 async def test_a_small_parse_stays_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[int] = []
     real = _json.loads_fast
-    monkeypatch.setattr(_json, "loads_fast", lambda raw: threads.append(threading.get_ident()) or real(raw))
+
+    def recording(raw: bytes) -> Any:
+        threads.append(threading.get_ident())
+        return real(raw)
+
+    monkeypatch.setattr(_json, "loads_fast", recording)
 
     async def charge(total: int) -> None:
         pass

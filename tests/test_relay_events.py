@@ -23,7 +23,7 @@ import termios
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,7 +206,7 @@ def _chunks(data: bytes, size: int) -> list[bytes]:
     return [data[i : i + size] for i in range(0, len(data), size)] if size else [data]
 
 
-async def _relay(items: list[bytes | float | Exception], **options: Any) -> tuple[Client, Any, Reissuer, Counters]:
+async def _relay(items: Sequence[bytes | float | Exception], **options: Any) -> tuple[Client, Any, Reissuer, Counters]:
     stream = Upstream(*items)
     reissue = Reissuer(upstream_response(Upstream(b"data: {}\n\n"), headers=SSE_HEADERS))
     counters = Counters()
@@ -227,7 +227,12 @@ async def _relay(items: list[bytes | float | Exception], **options: Any) -> tupl
 
 
 def _tail(kind: str) -> list[bytes | float | Exception]:
-    return {"reset": [httpx.ReadError("reset")], "end": [], "stall": [30.0]}[kind]
+    tails: dict[str, list[bytes | float | Exception]] = {
+        "reset": [httpx.ReadError("reset")],
+        "end": [],
+        "stall": [30.0],
+    }
+    return tails[kind]
 
 
 @pytest.mark.anyio

@@ -22,7 +22,12 @@ import anthropic
 import anyio
 import openai
 import pytest
+from anthropic import AsyncAnthropic
+from anthropic.types import MessageParam
+from anthropic.types.beta import BetaMessageParam
+from openai import AsyncOpenAI
 from openai._streaming import SSEDecoder
+from openai.types.chat import ChatCompletionMessageParam
 from starlette.applications import Starlette
 
 from asgi_lifetime._serve import serve_in_thread
@@ -52,7 +57,10 @@ SETTINGS: dict[str, Any] = {
 SDK_TIMEOUT = 20.0
 STALL_SECONDS = 10.0  # how long a held upstream waits for the gateway to hang up
 GAUGES = ("inflight_requests", "inflight_bytes", "retained_input_bytes", "live_resources", "pinned_sessions")
-HELLO = [{"role": "user", "content": "hello"}]
+# The same message in each SDK's own parameter type (each SDK types ``messages`` with its TypedDicts).
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
+CLAUDE_HELLO: list[MessageParam] = [{"role": "user", "content": "hello"}]
+BETA_HELLO: list[BetaMessageParam] = [{"role": "user", "content": "hello"}]
 AUDIO = ("speech.wav", b"RIFF" + bytes(4000), "audio/wav")
 # On trio, the SDKs' AsyncStream leaves its own async generators (httpx2's aiter_bytes, httpcore2's
 # PoolByteStream, the SSE decoder, _iter_events...) unexhausted when it stops at ``[DONE]`` or is
@@ -75,7 +83,9 @@ class Served:
         self.clients.append(client)
         return client
 
-    def async_openai(self, **options: Any) -> openai.AsyncOpenAI:
+    # AsyncOpenAI and AsyncAnthropic imported by name: in this class body ``openai`` and ``anthropic``
+    # are the methods, which shadow the modules in the annotations that follow them.
+    def async_openai(self, **options: Any) -> AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="sk-test", **{"timeout": SDK_TIMEOUT, **options})
 
     def anthropic(self, **options: Any) -> anthropic.Anthropic:
@@ -83,7 +93,7 @@ class Served:
         self.clients.append(client)
         return client
 
-    def async_anthropic(self, **options: Any) -> anthropic.AsyncAnthropic:
+    def async_anthropic(self, **options: Any) -> AsyncAnthropic:
         return anthropic.AsyncAnthropic(base_url=self.url, api_key="sk-ant-test", **{"timeout": SDK_TIMEOUT, **options})
 
     def busy(self) -> dict[str, Any]:
@@ -101,7 +111,7 @@ class Served:
         return result
 
 
-def settle(predicate: Callable[[], bool], *, what: Callable[[], str], within: float = 5.0) -> None:
+def settle(predicate: Callable[[], bool], *, what: Callable[[], object], within: float = 5.0) -> None:
     """Wait for a condition another thread (uvicorn's) makes true; the callers here are synchronous."""
     deadline = time.monotonic() + within
     while not predicate():
@@ -110,7 +120,7 @@ def settle(predicate: Callable[[], bool], *, what: Callable[[], str], within: fl
         time.sleep(0.01)
 
 
-async def eventually(predicate: Callable[[], bool], *, what: Callable[[], str], within: float = 5.0) -> None:
+async def eventually(predicate: Callable[[], bool], *, what: Callable[[], object], within: float = 5.0) -> None:
     with anyio.move_on_after(within):
         while not predicate():  # noqa: ASYNC110  (the state lives in another thread: nothing to await)
             await anyio.sleep(0.01)
@@ -331,7 +341,8 @@ async def test_audio_and_image_streams_async(anyio_backend: str) -> None:
 
 def _sent_fields(model: Any, sent: dict[str, Any]) -> bool:
     """The SDK object carries every field the upstream sent, unchanged (it may add its own defaults)."""
-    return _project(model.model_dump(), sent) == sent
+    projected: object = _project(model.model_dump(), sent)
+    return projected == sent
 
 
 def _project(value: Any, like: Any) -> Any:
@@ -345,7 +356,7 @@ def _project(value: Any, like: Any) -> Any:
 
 def test_anthropic_message(served: Served) -> None:
     client = served.anthropic()
-    message = client.messages.create(model="claude-test", max_tokens=64, messages=HELLO)
+    message = client.messages.create(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO)
     assert _sent_fields(message, up.anthropic_message("claude-test"))
     once(served, MESSAGES)
     seen = served.upstream.seen(MESSAGES)
@@ -355,7 +366,7 @@ def test_anthropic_message(served: Served) -> None:
 
 def test_anthropic_stream(served: Served) -> None:
     client = served.anthropic()
-    with client.messages.stream(model="claude-test", max_tokens=64, messages=HELLO) as stream:
+    with client.messages.stream(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == up.TEXT
@@ -366,7 +377,7 @@ def test_anthropic_stream(served: Served) -> None:
 
 def test_anthropic_raw_event_sequence(served: Served) -> None:
     client = served.anthropic()
-    stream = client.messages.create(model="claude-test", max_tokens=64, messages=HELLO, stream=True)
+    stream = client.messages.create(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO, stream=True)
     kinds = [event.type for event in stream]
     # The SDK drops ``ping``; everything else arrives in order.
     assert kinds == [name for name, _ in up.anthropic_events("claude-test") if name != "ping"]
@@ -380,7 +391,7 @@ def test_anthropic_beta_query_and_headers_reach_the_upstream(served: Served) -> 
     message = client.beta.messages.create(
         model="claude-test",
         max_tokens=64,
-        messages=HELLO,
+        messages=BETA_HELLO,
         betas=["interleaved-thinking-2025-05-14"],
         extra_query={"beta": "true"},
     )
@@ -396,7 +407,7 @@ def test_anthropic_beta_query_and_headers_reach_the_upstream(served: Served) -> 
 async def test_anthropic_stream_async(anyio_backend: str) -> None:
     with serving() as served:
         async with served.async_anthropic() as client:
-            async with client.messages.stream(model="claude-test", max_tokens=64, messages=HELLO) as stream:
+            async with client.messages.stream(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO) as stream:
                 text = "".join([chunk async for chunk in stream.text_stream])
                 final = await stream.get_final_message()
         assert text == up.TEXT and final.stop_reason == "end_turn"
@@ -450,10 +461,10 @@ def test_anthropic_4xx_surfaces_as_the_sdk_exception(
     client = served.anthropic()
     with pytest.raises(exception) as caught:
         if stream:
-            with client.messages.stream(model="claude-test", max_tokens=64, messages=HELLO) as events:
+            with client.messages.stream(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO) as events:
                 events.get_final_message()
         else:
-            client.messages.create(model="claude-test", max_tokens=64, messages=HELLO)
+            client.messages.create(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO)
     assert caught.value.status_code == status
     assert "prompt is too long" in caught.value.message
     body = caught.value.body
@@ -492,7 +503,7 @@ def test_openai_retryable_status_exhausted_does_not_multiply_attempts(
 def test_anthropic_retryable_status_exhausted_does_not_multiply_attempts(served: Served, status: int) -> None:
     served.upstream.fail(MESSAGES, Fault(status=status, message="Overloaded"), times=None)
     with pytest.raises(anthropic.APIStatusError) as caught:
-        served.anthropic().messages.create(model="claude-test", max_tokens=64, messages=HELLO)
+        served.anthropic().messages.create(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO)
     assert caught.value.status_code == status and "Overloaded" in caught.value.message
     requests = served.upstream.seen(MESSAGES).requests
     assert requests == _hits_allowed(status), f"the upstream was asked {requests} times for one SDK call"
@@ -538,7 +549,7 @@ def _open_images(served: Served) -> Any:
 
 
 def _open_anthropic(served: Served) -> Any:
-    return served.anthropic().messages.create(model="claude-test", max_tokens=64, messages=HELLO, stream=True)
+    return served.anthropic().messages.create(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO, stream=True)
 
 
 CASES = {
@@ -614,7 +625,7 @@ def test_anthropic_stream_reset_mid_event_raises_an_api_error(served: Served) ->
     served.upstream.fail(MESSAGES, Fault(cut_after=5, half=True))
     client = served.anthropic()
     with pytest.raises(anthropic.APIError) as caught:
-        with client.messages.stream(model="claude-test", max_tokens=64, messages=HELLO) as stream:
+        with client.messages.stream(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO) as stream:
             stream.get_final_message()
     assert not isinstance(caught.value, json.JSONDecodeError)
     once(served, MESSAGES)
@@ -749,7 +760,7 @@ def _happy_speech(served: Served) -> str:
 
 
 def _happy_anthropic(served: Served) -> str:
-    with served.anthropic().messages.stream(model="claude-test", max_tokens=64, messages=HELLO) as stream:
+    with served.anthropic().messages.stream(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO) as stream:
         assert _sent_fields(stream.get_final_message(), up.anthropic_message("claude-test"))
     return MESSAGES
 
@@ -906,7 +917,7 @@ def test_get_and_bodiless_requests(served: Served) -> None:
     assert client.models.retrieve("gpt-test").id == "gpt-test"
     claude = served.anthropic()
     assert [model.id for model in claude.models.list()] == ["claude-test"]
-    counted = claude.messages.count_tokens(model="claude-test", messages=HELLO)
+    counted = claude.messages.count_tokens(model="claude-test", messages=CLAUDE_HELLO)
     assert counted.input_tokens == 11
     assert served.upstream.seen("/v1/models").requests == 2
     served.wait_idle()
@@ -927,7 +938,7 @@ async def test_cancelling_an_async_stream_with_a_cancel_scope_cancels_the_upstre
         served.upstream.fail(MESSAGES, Fault(stall_after=5))
         async with served.async_anthropic() as client:
             with anyio.move_on_after(1.0) as scope:
-                async with client.messages.stream(model="claude-test", max_tokens=64, messages=HELLO) as stream:
+                async with client.messages.stream(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO) as stream:
                     async for _ in stream.text_stream:
                         pass
             assert scope.cancelled_caught
@@ -949,7 +960,7 @@ async def test_concurrent_async_streams(anyio_backend: str) -> None:
 
             async def message() -> None:
                 async with anthropic_client.messages.stream(
-                    model="claude-test", max_tokens=64, messages=HELLO
+                    model="claude-test", max_tokens=64, messages=CLAUDE_HELLO
                 ) as stream:
                     texts.append("".join([text async for text in stream.text_stream]))
 

@@ -25,6 +25,8 @@ CONCURRENCY = 16
 SEED = 20261202
 BIG = 10  # of them with an 8-16 MiB body
 RSS_GROWTH_LIMIT = 64 * 1024 * 1024
+# Minutes, not seconds: CI runs the slow tests as their own step (``-m slow``); ``bash dev test`` runs them too.
+pytestmark = pytest.mark.slow
 
 
 def load_soak() -> ModuleType:
