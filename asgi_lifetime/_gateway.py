@@ -45,18 +45,19 @@ class _Input:
     serializes a changed one), and the refold/remap closures re-parse the outbound body.
     """
 
-    __slots__ = ("held", "size")
+    __slots__ = ("held", "size", "trim")
 
-    def __init__(self, held: Resource, size: int) -> None:
+    def __init__(self, held: Resource, size: int, *, trim: bool) -> None:
         self.held: Resource | None = held
         self.size = size
+        self.trim = trim  # the MALLOC_TRIM setting
 
     def release(self) -> None:
         """The settle point: the input's accounting ends, and freed heap goes back to the OS."""
         held, self.held = self.held, None
         if held is not None:
             held.release_now()
-            trim_after_large_request(self.size)  # give the freed parse back to the OS (glibc)
+            trim_after_large_request(self.size, enabled=self.trim)  # give the freed parse back to the OS (glibc)
 
 
 class Forwarder:
@@ -126,7 +127,7 @@ class Forwarder:
             )
             prepared.release_body()
             # Below 32 MiB glibc may have put the body on the heap (its mmap threshold grows): give it back too.
-            trim_after_large_request(retained)
+            trim_after_large_request(retained, enabled=self.settings.malloc_trim)
             status, outcome, bytes_out, first_byte_at = (
                 result.status,
                 result.outcome,
@@ -196,7 +197,7 @@ class Forwarder:
             if raw and _is_json(scope):
                 raise MalformedBody("request body is not valid JSON", code="invalid_json") from None
             parsed = None
-        held = _Input(state.resources.retain(len(raw)), len(raw))
+        held = _Input(state.resources.retain(len(raw)), len(raw), trim=self.settings.malloc_trim)
         preparers = self.preparers if parsed is not None else ()
         # prepare() gets the only references to the body and its parse: what it drops (the
         # received body once a preparer changed it, each message once serialized) is freed.
@@ -218,6 +219,7 @@ class Forwarder:
             headers=headers,
             scope=state.resources,
             refold_factory=self.refold_factory,
+            malloc_trim=self.settings.malloc_trim,
         )
         return prepared, held
 

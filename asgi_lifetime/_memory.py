@@ -6,14 +6,15 @@ glibc returns it to the OS only from the top of the heap, and only past its trim
 threshold: a 64 MiB conversation, freed, stays in RSS (about 2-3x the body, see
 docs/benchmarks.md). ``malloc_trim(0)`` releases the free pages anywhere in the heap; it
 takes milliseconds, so it runs only when a request of at least ``TRIM_THRESHOLD`` bytes
-settles::
+settles, and only if the ``MALLOC_TRIM`` setting is on (every caller passes it)::
 
-    held.release()                            # the parse and the raw body are gone
-    trim_after_large_request(len(raw))        # and their pages go back to the OS
+    held.release()                                                    # the parse and the raw body are gone
+    trim_after_large_request(len(raw), enabled=settings.malloc_trim)  # and their pages go back to the OS
 
 The gateway calls it at the settle point (``_gateway._Input.release``) and again at the end
 of a request whose retained outbound body it released: below 32 MiB, glibc's mmap threshold
 (which rises to the size of any mmapped block freed) may have put that body on the heap.
+``prepare()`` calls it every ``TRIM_THRESHOLD`` bytes while it serializes a large changed body.
 
 Elsewhere (macOS, musl, Windows) ``trim_after_large_request`` does nothing.
 """
@@ -53,13 +54,14 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 _malloc_trim: Final = _load_malloc_trim()
 
 
-def trim_after_large_request(nbytes: int) -> bool:
+def trim_after_large_request(nbytes: int, *, enabled: bool) -> bool:
     """After a request of ``nbytes`` released its input: return free heap pages to the OS.
 
-    Does nothing (and returns False) below ``TRIM_THRESHOLD`` or where glibc's
-    ``malloc_trim`` is not available. Never raises.
+    Does nothing (and returns False) when not ``enabled`` (the ``MALLOC_TRIM`` setting: a
+    required keyword, so no caller can trim past it), below ``TRIM_THRESHOLD`` or where
+    glibc's ``malloc_trim`` is not available. Never raises.
     """
-    if _malloc_trim is None or nbytes < TRIM_THRESHOLD:
+    if not enabled or _malloc_trim is None or nbytes < TRIM_THRESHOLD:
         return False
     try:
         _malloc_trim(0)

@@ -19,6 +19,7 @@ retries settle, and a changed body is serialized without emptying it.)::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -168,6 +169,7 @@ async def prepare(
     scope: RequestScope,
     refold_factory: Callable[[Conversation], Refold] = default_refold,
     remap_factory: Callable[[Conversation], RemapRole] = default_remap_role,
+    malloc_trim: bool = True,
 ) -> Prepared:
     """Run ``preparers`` in order on a draft of the request and build its ``Prepared`` holder.
 
@@ -179,7 +181,8 @@ async def prepare(
     bodies (a ``messages``, ``input`` or ``contents`` list); the default ones re-parse
     ``Prepared.body`` when called and hold no parse. Custom factories are given a
     ``Conversation`` of the final parse instead, which their closures then keep alive
-    until ``Prepared.settle()``.
+    until ``Prepared.settle()``. ``malloc_trim`` is the ``MALLOC_TRIM`` setting: whether the
+    freed parse goes back to the OS while a large changed body is serialized.
     """
     draft = Draft(parsed, fingerprint=fingerprint, session_id=session_id, path=path, scope=scope)
     del parsed  # the draft is its one holder here: a replaced body can be freed while preparers run
@@ -221,7 +224,10 @@ async def prepare(
         else:
             # The conversation is dropped item by item as it is written: the parse shrinks as the body grows.
             body = _json.dumps_consuming(
-                graph, key, every=_TRIM_EVERY if size >= TRIM_THRESHOLD else 0, progress=_trim_freed
+                graph,
+                key,
+                every=_TRIM_EVERY if malloc_trim and size >= TRIM_THRESHOLD else 0,
+                progress=functools.partial(trim_after_large_request, TRIM_THRESHOLD, enabled=malloc_trim),
             )
     else:
         body = raw
@@ -230,10 +236,6 @@ async def prepare(
     if key is not None:
         prepared.refold, prepared.remap_role = _from_outbound(prepared)
     return prepared
-
-
-def _trim_freed() -> None:
-    trim_after_large_request(TRIM_THRESHOLD)
 
 
 def _from_outbound(prepared: Prepared) -> tuple[Refold, RemapRole]:

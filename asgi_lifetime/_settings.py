@@ -179,6 +179,13 @@ SETTINGS: dict[str, SettingSpec] = {
         SettingSpec("stall_timeout", _parse_float, _positive, "Seconds of upstream silence that end a stream."),
         SettingSpec("keepalive_interval", _parse_float, _positive, "Seconds between SSE keep-alives in silence."),
         SettingSpec("retain_outbound", _parse_bool, _anything, "Keep the outbound body for one blind re-issue."),
+        SettingSpec(
+            "malloc_trim",
+            _parse_bool,
+            _anything,
+            "Give freed heap back to the OS (glibc malloc_trim) during and after requests of 8 MiB or more; "
+            "off: never trim.",
+        ),
         SettingSpec("session_header", _parse_str, _header_name, "Request header carrying the session id."),
         SettingSpec(
             "max_session_id_bytes",
@@ -246,6 +253,7 @@ class LifetimeSettings:
     stall_timeout: float = 120.0
     keepalive_interval: float = 15.0
     retain_outbound: bool = True
+    malloc_trim: bool = True
     session_header: str = "x-session-id"
     max_session_id_bytes: int = 256
     bookkeeping_sessions: int = 10_000

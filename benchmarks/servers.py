@@ -61,7 +61,7 @@ async def sink(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def build_app(kind: str, *, upstream: str | None, retain: bool, tokens_per_second: float) -> Any:
+def build_app(kind: str, *, upstream: str | None, retain: bool, tokens_per_second: float, trim: bool = True) -> Any:
     if kind == "demo":
         from asgi_lifetime._demo_upstream import create_demo_upstream
 
@@ -79,6 +79,7 @@ def build_app(kind: str, *, upstream: str | None, retain: bool, tokens_per_secon
             max_body_bytes=256 * MiB,
             max_inflight_bytes=2 * GiB,
             retain_outbound=retain,
+            malloc_trim=trim,
         )
         client = None
         if os.environ.get("BENCH_KEEPALIVE"):  # diagnosis only: the upstream pool's keep-alive size
@@ -173,14 +174,14 @@ def main() -> None:
     parser.add_argument("--upstream")
     parser.add_argument("--retain", choices=["on", "off"], default="on")
     parser.add_argument("--tokens-per-second", type=float, default=50.0)
-    parser.add_argument("--no-trim", action="store_true", help="gateway: skip malloc_trim at the settle point")
+    parser.add_argument("--no-trim", action="store_true", help="gateway: MALLOC_TRIM off (no malloc_trim at all)")
     args = parser.parse_args()
-    if args.no_trim:
-        import asgi_lifetime._gateway
-
-        asgi_lifetime._gateway.trim_after_large_request = lambda nbytes: False  # type: ignore[attr-defined]
     app = build_app(
-        args.kind, upstream=args.upstream, retain=args.retain == "on", tokens_per_second=args.tokens_per_second
+        args.kind,
+        upstream=args.upstream,
+        retain=args.retain == "on",
+        tokens_per_second=args.tokens_per_second,
+        trim=not args.no_trim,
     )
 
     if os.environ.get("BENCH_PROBE") == "1":

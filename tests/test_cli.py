@@ -53,6 +53,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "stall_timeout": ("45", 45.0),
     "keepalive_interval": ("5", 5.0),
     "retain_outbound": ("false", False),
+    "malloc_trim": ("off", False),
     "session_header": ("x-conversation", "x-conversation"),
     "max_session_id_bytes": ("1KiB", KiB),
     "bookkeeping_sessions": ("100", 100),

@@ -35,6 +35,7 @@ def test_defaults() -> None:
     assert settings.backoff_base == 0.5
     assert settings.backoff_max == 8.0
     assert settings.retain_outbound is True
+    assert settings.malloc_trim is True
     assert settings.session_header == "x-session-id"
     assert settings.error_body_limit == 64 * KiB
     assert settings.upstream_api_key is None
@@ -155,8 +156,12 @@ def test_duration_parsing(key: str, raw: str, expected: float) -> None:
         (" Off ", False),
     ],
 )
-def test_bool_parsing(raw: str, expected: bool) -> None:
-    assert LifetimeSettings.from_mapping({"retain_outbound": raw}).retain_outbound is expected
+@pytest.mark.parametrize("name", ["retain_outbound", "malloc_trim"])
+def test_bool_parsing(name: str, raw: str, expected: bool) -> None:
+    assert getattr(LifetimeSettings.from_mapping({name: raw}), name) is expected
+    assert (
+        getattr(LifetimeSettings.from_environ({f"ASGI_LIFETIME_{name.upper()}": raw}, env_file=None), name) is expected
+    )
 
 
 @pytest.mark.parametrize(
@@ -229,6 +234,9 @@ INVALID_STRINGS = [
     ("keepalive_interval", "0"),
     ("retain_outbound", "maybe"),
     ("retain_outbound", "2"),
+    ("malloc_trim", "maybe"),
+    ("malloc_trim", "-1"),
+    ("malloc_trim", ""),
     ("session_header", "x session"),
     ("session_header", "x:y"),
     ("session_header", ""),
@@ -271,6 +279,8 @@ def test_huge_body_limit_is_a_value_error() -> None:
         ("body_idle_timeout", float("inf"), "inf"),
         ("body_idle_timeout", False, "False"),
         ("retain_outbound", 1, "1"),
+        ("malloc_trim", 0, "0"),
+        ("malloc_trim", "off", "off"),
         ("paths", "/v1/", "/v1/"),
         ("paths", ("/v1/", 5), "/v1/,5"),
         ("paths", (), ""),
