@@ -37,7 +37,16 @@ import anyio.to_thread
 from . import _json
 from ._exceptions import BodyTooComplex
 
-__all__ = ["PARSE_RATIO", "PARSE_SLACK", "THREAD_THRESHOLD", "offload", "parse_body", "parse_cost", "parse_limit"]
+__all__ = [
+    "PARSE_RATIO",
+    "PARSE_SLACK",
+    "THREAD_THRESHOLD",
+    "offload",
+    "parse_body",
+    "parse_cost",
+    "parse_limit",
+    "too_costly",
+]
 
 T = TypeVar("T")
 
@@ -73,6 +82,12 @@ _ASTRAL_ESCAPE: Final = re.compile(rb"\\u[dD][89abAB]")
 def parse_limit(size: int) -> int:
     """The most a body of ``size`` bytes and its parse may take together."""
     return PARSE_RATIO * size + PARSE_SLACK
+
+
+def too_costly(raw: bytes) -> bool:
+    """Whether ``raw`` and its parse would take more than ``parse_limit`` (``[{},{},...]``):
+    the bound for any JSON the gateway parses, request bodies and upstream answers alike."""
+    return len(raw) + parse_cost(raw) > parse_limit(len(raw))
 
 
 def _width(chunk: bytes) -> int:

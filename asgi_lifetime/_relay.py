@@ -58,7 +58,7 @@ from ._exceptions import (
     UpstreamTimeout,
 )
 from ._json import JSONDecodeFailure, loads
-from ._parse import parse_cost, parse_limit
+from ._parse import too_costly
 from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, classify, sse_event
 from ._stats import Counters
 from ._transport import close_response, stop_reading
@@ -638,7 +638,7 @@ async def collect_text(
 
 
 def _object_text(body: bytes) -> str:
-    if len(body) + parse_cost(body) > parse_limit(len(body)):
+    if too_costly(body):
         # Parsing would multiply memory (``[{},{},...]``): refused, as a request body of that shape is.
         raise UpstreamError("the upstream response is too complex to parse", code="upstream_too_complex")
     try:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._json import JSONDecodeFailure, dumps, loads
-from ._parse import parse_limit
+from ._parse import too_costly
 
 __all__ = [
     "FORMATS",
@@ -554,23 +554,11 @@ def classify(event: str, payload: Any, fmt: StreamFormat | None = None) -> Event
 
 
 # Parsing multiplies memory (an event of ``[{},{},...]`` costs ~25x its size in dicts): an event
-# from this size on is parsed only if its parse stays within ``parse_limit`` (the request body's
-# bound). Smaller events cost at most ~2 MiB to parse, whatever their shape.
+# from this size on is parsed only if its parse stays within the bound request bodies have
+# (``_parse.too_costly``). Smaller events cost at most ~2 MiB to parse, whatever their shape.
 _COST_CHECKED = 64 * 1024
-# A generous estimate from three counts (C speed, nothing allocated; ``_parse.parse_cost`` is exact
-# but itself allocates up to ~20x for short strings): every ``,`` or ``:`` starts a value (a slot and
-# an object, up to ~90 bytes), every ``{`` or ``[`` a container (up to ~190). Text-heavy events,
-# the large ones real upstreams send (base64 images, long outputs), cost ~1-2x and are read.
-_VALUE_COST = 64
-_CONTAINER_COST = 128
 # An event whose parse would cost too much: not read, like an oversized one.
 _UNREADABLE: Any = object()
-
-
-def _costly(raw: bytes) -> bool:
-    values = raw.count(b",") + raw.count(b":")
-    containers = raw.count(b"{") + raw.count(b"[")
-    return len(raw) + _VALUE_COST * values + _CONTAINER_COST * containers > parse_limit(len(raw))
 
 
 def _payload(data: str) -> Any:
@@ -578,7 +566,7 @@ def _payload(data: str) -> Any:
     if stripped.startswith(("{", "[")):
         raw = stripped.encode()
         del stripped
-        if len(raw) >= _COST_CHECKED and _costly(raw):
+        if len(raw) >= _COST_CHECKED and too_costly(raw):
             return _UNREADABLE
         try:
             return loads(raw)
