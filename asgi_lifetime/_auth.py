@@ -32,11 +32,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ._exceptions import AuthenticationError
 from ._middleware import route_path, send_error
 
-__all__ = ["REDACTED", "UPSTREAM_AUTH_SCHEMES", "GatewayAuth", "KeyScrubber", "is_loopback"]
+__all__ = ["CREDENTIAL_HEADERS", "REDACTED", "UPSTREAM_AUTH_SCHEMES", "GatewayAuth", "KeyScrubber", "is_loopback"]
 
 # Every header a client may carry a credential in, whatever the scheme the gateway injects.
 # Where clients put a key: OpenAI's SDK (Bearer), Anthropic's (x-api-key), Gemini's, Azure OpenAI's.
-_CREDENTIAL_HEADERS = (b"authorization", b"x-api-key", b"x-goog-api-key", b"api-key")
+CREDENTIAL_HEADERS = (b"authorization", b"x-api-key", b"x-goog-api-key", b"api-key")
 # UPSTREAM_AUTH -> the header the upstream key goes in, and how its value is written.
 UPSTREAM_AUTH_SCHEMES: dict[str, tuple[bytes, str]] = {
     "bearer": (b"authorization", "Bearer {key}"),
@@ -99,7 +99,7 @@ class GatewayAuth:
             )
             return
         scope = dict(scope)
-        scope["headers"] = [(k, v) for k, v in headers if k not in _CREDENTIAL_HEADERS]
+        scope["headers"] = [(k, v) for k, v in headers if k not in CREDENTIAL_HEADERS]
         scope["headers"].append(self._inject)
         scope["query_string"] = _without_key_param(scope.get("query_string", b""))
         await self.app(scope, receive, send)
@@ -131,7 +131,7 @@ def _presented(headers: list[tuple[bytes, bytes]]) -> bytes | None:
             scheme, _, token = value.partition(b" ")
             if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
-        elif name in _CREDENTIAL_HEADERS and value.strip():
+        elif name in CREDENTIAL_HEADERS and value.strip():
             return value.strip()
     return None
 

@@ -31,7 +31,7 @@ from typing import Literal
 import anyio
 import httpx
 
-from ._auth import REDACTED, KeyScrubber
+from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber
 from ._error_body import ErrorBody, read_error_body, replay
 from ._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from ._pool import UpstreamPool
@@ -337,6 +337,9 @@ class UpstreamClient:
             raise ValueError(f"base_url={bad[0]!r} is invalid: must be an http:// or https:// URL")
         self._settings = settings
         self._base_urls = urls
+        # UPSTREAM_URL's user info, split off the URL so no log or error shows it: sent as
+        # Authorization: Basic to its own upstream, on requests without a credential of their own.
+        self._basic = {url: value for url in urls if (value := settings.upstream_authorization(url)) is not None}
         self._pool = UpstreamPool(urls, cooloff=settings.upstream_cooloff)
         self._owns_client = client is None
         self._scrubber = KeyScrubber(settings.upstream_api_key)
@@ -580,6 +583,9 @@ class UpstreamClient:
         headers = [("Host", url.netloc.decode("ascii")), ("Accept-Encoding", "identity"), *defaults, *outbound]
         if prepared.body is not None:
             headers.append(("Content-Length", str(len(prepared.body))))
+        basic = self._basic.get(base)
+        if basic is not None and not any(k.lower().encode("latin-1") in CREDENTIAL_HEADERS for k, _ in outbound):
+            headers.append(("Authorization", basic))
         # Values are the latin-1 text of the client's bytes (obs-text included): send those bytes.
         # Given str, httpx encodes ASCII and fails on any byte over 0x7F.
         encoded = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]

@@ -74,11 +74,6 @@ def create_app(
         settings = LifetimeSettings.from_environ()
     if settings.upstream_api_key and not settings.gateway_keys:
         logger.warning("an upstream key is set and no gateway keys: only loopback clients will be served")
-    if settings.upstream_userinfo and settings.upstream_api_key is None:
-        if client is not None:
-            logger.warning("the user info in UPSTREAM_URL is not sent with a client= of your own: give it auth=")
-        else:
-            transport = _UpstreamBasicAuth(settings, transport)
     lifetime = Lifetime(settings)
     book = SessionBook(max_sessions=settings.bookkeeping_sessions, counters=lifetime.counters)
     listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]
@@ -215,46 +210,3 @@ class _Drain:
             logger.warning("shutdown grace over: ending %d stream(s)", counters.inflight_requests)
         if self.stop is not None:
             self.stop.set()
-
-
-# A request carrying any of these already has a credential: the URL's user info is not added.
-_CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
-
-
-class _UpstreamBasicAuth(httpx.AsyncBaseTransport):
-    """Sends the user info split off ``UPSTREAM_URL`` as ``Authorization: Basic``.
-
-    Only for a request that carries no credential of its own; the gateway only wraps its
-    transport when no ``UPSTREAM_API_KEY`` is configured. The user info never is part of a URL
-    httpx sees, so neither its request log nor an error message can show it.
-    """
-
-    def __init__(self, settings: LifetimeSettings, transport: httpx.AsyncBaseTransport | None) -> None:
-        # Without a transport of the caller's, the one httpx.AsyncClient would build with UpstreamClient's limits.
-        limits = httpx.Limits(max_connections=settings.max_inflight, max_keepalive_connections=settings.max_inflight)
-        self._transport = transport if transport is not None else httpx.AsyncHTTPTransport(limits=limits)
-        # Longest base URL first, so /v1 on a host does not take /v1/extra's credentials.
-        self._bases = sorted(
-            ((httpx.URL(url), value) for url, _ in settings.upstream_userinfo
-             if (value := settings.upstream_authorization(url)) is not None),
-            key=lambda pair: -len(pair[0].raw_path),
-        )  # fmt: skip
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if not any(name in request.headers for name in _CREDENTIAL_HEADERS):
-            for base, value in self._bases:
-                if _under(request.url, base):
-                    request.headers["Authorization"] = value
-                    break
-        return await self._transport.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self._transport.aclose()
-
-
-def _under(url: httpx.URL, base: httpx.URL) -> bool:
-    if (url.scheme, url.host, url.port) != (base.scheme, base.host, base.port):
-        return False
-    prefix = base.raw_path.rstrip(b"/")
-    path = url.raw_path.split(b"?", 1)[0]
-    return path == prefix or path.startswith(prefix + b"/") or not prefix

@@ -444,3 +444,29 @@ def test_user_info_survives_replace_and_export_and_is_masked() -> None:
     with pytest.raises(ValueError) as info:
         LifetimeSettings(upstream_url=(f"ftp://user:{PASSWORD}@host",))
     assert PASSWORD not in str(info.value) and "user:***@host" in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_user_info_keeps_the_guarded_pool_and_reaches_a_client_of_your_own() -> None:
+    """The user info is added where the request is built: the gateway's own transport stays the one
+    that never reuses a desynchronised connection, and a client= of the caller's sends it too."""
+    from asgi_lifetime._transport import GuardedTransport
+
+    config = settings(upstream_url=("http://user:pw@upstream.test/base",))
+    app = create_app(config)
+    try:
+        assert isinstance(app.state.upstream._client._transport, GuardedTransport)
+    finally:
+        await app.state.upstream.aclose()
+    seen: list[httpx.Request] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return completion(request)
+
+    own = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
+    app = create_app(config, client=own)
+    async with client_for(app) as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    await own.aclose()
+    assert seen[0].headers["authorization"] == basic("user:pw")
