@@ -478,16 +478,19 @@ class UpstreamClient:
                 if status in _RETRY_STATUSES:
                     failed.add(base)
                     asked = _asked_wait(response.headers)
+                    # A wait longer than we would keep the client waiting is that upstream's: another
+                    # one is tried after the usual backoff, without waiting out the cap first.
+                    too_long = asked is not None and asked > settings.retry_after_cap
                     if _says_no_retry(response.headers) or (
-                        # A wait longer than we would keep the client waiting, and nowhere else to go:
-                        # re-sending early would count against the key; the client gets the wait.
-                        asked is not None and asked > settings.retry_after_cap and len(failed) >= len(self._pool.urls)
+                        # ...and with nowhere else to go: re-sending early would count against the
+                        # key; the client gets the wait.
+                        too_long and len(failed) >= len(self._pool.urls)
                     ):
                         # The upstream said whether or when to ask again: its answer goes to the client
                         # as it is (the SDKs honour both headers).
                         keep = True
                         return response
-                    delay = self._backoff(backoffs, asked)
+                    delay = self._backoff(backoffs, None if too_long else asked)
                     if not (more and self._clock() + delay <= deadline):
                         if settings.max_attempts > 1:
                             # Our retries are spent: an SDK retrying this would multiply them. (With
@@ -584,7 +587,10 @@ class UpstreamClient:
         if prepared.body is not None:
             headers.append(("Content-Length", str(len(prepared.body))))
         basic = self._basic.get(base)
-        if basic is not None and not any(k.lower().encode("latin-1") in CREDENTIAL_HEADERS for k, _ in outbound):
+        # A credential among the caller's client= default headers counts too (else two would go out).
+        if basic is not None and not any(
+            k.lower().encode("latin-1") in CREDENTIAL_HEADERS for k, _ in (*defaults, *outbound)
+        ):
             headers.append(("Authorization", basic))
         # Values are the latin-1 text of the client's bytes (obs-text included): send those bytes.
         # Given str, httpx encodes ASCII and fails on any byte over 0x7F.
