@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import anyio
 import httpx
 import pytest
@@ -53,7 +55,10 @@ async def test_each_upstream_gets_its_own_user_info() -> None:
         for _ in range(3):
             response = await upstream.forward(_prepared(), on_retries_settled=lambda: None)
             await response.aclose()
-    basic = {"a.test": settings.upstream_authorization("http://a.test"), "b.test": settings.upstream_authorization("http://b.test")}
+    basic = {
+        "a.test": settings.upstream_authorization("http://a.test"),
+        "b.test": settings.upstream_authorization("http://b.test"),
+    }
     assert basic["a.test"] != basic["b.test"]
     assert seen and all(values == [basic[host]] for host, values in seen)
 
@@ -87,7 +92,11 @@ async def test_a_long_wait_of_one_upstream_does_not_keep_the_request_from_anothe
 
     async with UpstreamClient(settings=settings, transport=httpx.MockTransport(handler)) as upstream:
         upstream._sleep = sleep
-        upstream._pool.choose = lambda session, exclude: next(u for u in ("http://a.test", "http://b.test") if u not in exclude)  # type: ignore[method-assign]
+
+        def a_first(session_id: str | None, *, exclude: Collection[str] = ()) -> str:
+            return next(u for u in ("http://a.test", "http://b.test") if u not in exclude)
+
+        upstream._pool.choose = a_first  # type: ignore[method-assign]
         response = await upstream.forward(_prepared(), on_retries_settled=lambda: None)
         await response.aclose()
     assert hosts == ["a.test", "b.test"]
