@@ -1,15 +1,12 @@
 """asgi_lifetime: the lifetime of a request's input as a designed, tested property.
 
-A request's life, one module per stage: read (``_body``), fingerprint (``_fingerprint``),
-prepare (``_prepare``), forward (``_upstream``), relay (``_relay``), bookkeep (``_bookkeeping``);
-admission and per-request resources (``_admission``, ``_scope``) span them all.
+The middleware core: ``LifetimeMiddleware`` reads each request's body within bounds, takes its
+fingerprint before anything can change it, and releases what the request acquired the moment
+it settles. The standalone gateway lives in ``asgi_lifetime.gateway`` (the ``gateway`` extra),
+test helpers and the pytest plugin in ``asgi_lifetime.testing``.
 See docs/design.md for where each piece of input is released.
 """
 
-from ._access_log import AccessLog
-from ._auth import GatewayAuth
-from ._body import parse_content_length, read_body
-from ._bookkeeping import Bookkeeper, Outcome, SessionBook, SessionEntry
 from ._exceptions import (
     AdmissionRejected,
     AuthenticationError,
@@ -21,43 +18,30 @@ from ._exceptions import (
     LifetimeError,
     MalformedBody,
     RequestError,
-    StarvationError,
     UnsupportedEncoding,
     UpstreamError,
     UpstreamStalled,
+    UpstreamStarved,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
 from ._fingerprint import UNPARSED, Fingerprint, fingerprint, text_comparable, wire_hash
-from ._metrics import GatewayMetrics
 from ._middleware import Lifetime, LifetimeMiddleware, RequestLifetime
-from ._pool import UpstreamPool
-from ._prepare import Draft, Prepared, Preparer, prepare
-from ._refold import Conversation, default_refold, default_remap_role, match_overflow, match_rejected_role
-from ._relay import RelayResult, collect_text, relay
-from ._scope import RequestScope, Resource
+from ._resources import RequestResources, Resource
 from ._settings import GiB, KiB, LifetimeSettings, MiB
 from ._stats import LifetimeStats
-from ._upstream import AttemptEvent, UpstreamClient
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "AccessLog",
     "AdmissionRejected",
-    "AttemptEvent",
     "AuthenticationError",
     "BodyAborted",
     "BodyIdleTimeout",
     "BodyTimeout",
     "BodyTooComplex",
     "BodyTooLarge",
-    "Bookkeeper",
-    "Conversation",
-    "Draft",
     "Fingerprint",
-    "GatewayAuth",
-    "GatewayMetrics",
     "GiB",
     "KiB",
     "Lifetime",
@@ -67,36 +51,52 @@ __all__ = [
     "LifetimeStats",
     "MalformedBody",
     "MiB",
-    "Outcome",
-    "Prepared",
-    "Preparer",
-    "RelayResult",
     "RequestError",
     "RequestLifetime",
-    "RequestScope",
+    "RequestResources",
     "Resource",
-    "SessionBook",
-    "SessionEntry",
-    "StarvationError",
     "UNPARSED",
     "UnsupportedEncoding",
-    "UpstreamClient",
     "UpstreamError",
-    "UpstreamPool",
     "UpstreamStalled",
+    "UpstreamStarved",
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "__version__",
-    "collect_text",
-    "default_refold",
-    "default_remap_role",
     "fingerprint",
-    "match_overflow",
-    "match_rejected_role",
-    "parse_content_length",
-    "prepare",
-    "read_body",
-    "relay",
     "text_comparable",
     "wire_hash",
 ]
+
+# Reprs, tracebacks and the API reference show the public path, not the private module.
+for _public in (
+    AdmissionRejected,
+    AuthenticationError,
+    BodyAborted,
+    BodyIdleTimeout,
+    BodyTimeout,
+    BodyTooComplex,
+    BodyTooLarge,
+    Fingerprint,
+    Lifetime,
+    LifetimeError,
+    LifetimeMiddleware,
+    LifetimeSettings,
+    LifetimeStats,
+    MalformedBody,
+    RequestError,
+    RequestLifetime,
+    RequestResources,
+    Resource,
+    UnsupportedEncoding,
+    UpstreamError,
+    UpstreamStalled,
+    UpstreamStarved,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    fingerprint,
+    text_comparable,
+    wire_hash,
+):
+    _public.__module__ = __name__
+del _public

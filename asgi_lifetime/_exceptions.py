@@ -18,7 +18,7 @@ OpenAI-style JSON body ``{"error": {"type", "code", "message"}}``::
         ├── UpstreamUnreachable        502
         ├── UpstreamTimeout            504
         ├── UpstreamStalled            504 no bytes for STALL_TIMEOUT
-        └── StarvationError            502 the upstream produced no output
+        └── UpstreamStarved            502 the upstream produced no output
 
 ``BodyAborted`` is never delivered (the client is gone); it is logged and counted.
 Messages never contain request bodies or keys.
@@ -48,7 +48,7 @@ __all__ = [
     "LifetimeError",
     "MalformedBody",
     "RequestError",
-    "StarvationError",
+    "UpstreamStarved",
     "UnsupportedEncoding",
     "UpstreamError",
     "UpstreamStalled",
@@ -277,7 +277,7 @@ class UpstreamStalled(UpstreamError):
     code = "upstream_stalled"
 
 
-class StarvationError(UpstreamError):
+class UpstreamStarved(UpstreamError):
     """The upstream ended without producing any output (or without a terminal event)."""
 
     code = "upstream_starved"

@@ -24,7 +24,7 @@ from ._exceptions import (
 )
 from ._fingerprint import Fingerprint, fingerprint
 from ._parse import offload, parse_body
-from ._scope import RequestScope, Resource
+from ._resources import RequestResources, Resource
 from ._settings import LifetimeSettings
 from ._stats import Counters, LifetimeStats
 
@@ -68,13 +68,13 @@ class RequestLifetime:
 
     - ``fingerprint``: wire hash, text-comparability verdict and size of the body as received.
     - ``size``: decoded body size in bytes; ``admission_wait``: seconds spent waiting for admission.
-    - ``resources``: the request's ``RequestScope``; register anything that must be released
+    - ``resources``: the request's ``RequestResources``; register anything that must be released
       when the request settles (``request.state.lifetime.resources.add(close)``).
     """
 
     __slots__ = ("fingerprint", "size", "admission_wait", "resources", "_parsed", "_parsed_hold")
 
-    def __init__(self, fp: Fingerprint, *, admission_wait: float, resources: RequestScope) -> None:
+    def __init__(self, fp: Fingerprint, *, admission_wait: float, resources: RequestResources) -> None:
         self.fingerprint = fp
         self.size = fp.size
         self.admission_wait = admission_wait
@@ -132,7 +132,7 @@ class _Settle:
 
     __slots__ = ("_lifetime", "_resources", "_counters", "_send", "_settled", "_counted")
 
-    def __init__(self, lifetime: RequestLifetime, resources: RequestScope, counters: Counters, send: Send) -> None:
+    def __init__(self, lifetime: RequestLifetime, resources: RequestResources, counters: Counters, send: Send) -> None:
         self._lifetime = lifetime
         self._resources = resources
         self._counters = counters
@@ -226,7 +226,7 @@ class LifetimeMiddleware:
             await self.app(scope, receive, send)
             return
         counters = lifetime.counters
-        async with RequestScope(counters) as resources:
+        async with RequestResources(counters) as resources:
             try:
                 inner_scope, replay = await self._admit_and_read(lifetime, scope, receive, resources)
             except LifetimeError as exc:
@@ -244,11 +244,11 @@ class LifetimeMiddleware:
                 settle.count_completed()
             finally:
                 # Paths that never sent a final body message (an error, a disconnect, a
-                # cancellation) settle here; the RequestScope's exit releases the rest.
+                # cancellation) settle here; the RequestResources's exit releases the rest.
                 await settle.settle()
 
     async def _admit_and_read(
-        self, lifetime: Lifetime, scope: Scope, receive: Receive, resources: RequestScope
+        self, lifetime: Lifetime, scope: Scope, receive: Receive, resources: RequestResources
     ) -> tuple[Scope, _Replay]:
         # Everything that touches the body happens in this frame, which has returned by the
         # time the inner app runs: no suspended frame of ours keeps the body alive.

@@ -424,7 +424,7 @@ def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
         "only from the top of the heap, and only beyond its trim threshold; a large bytes object (the body) is "
         "mmapped and does go back. So without help the process keeps the parse's footprint (about 1.5x a "
         "many-turn body) in RSS after every large request; it does not grow without bound, but it stays. "
-        "The fix: `asgi_lifetime._memory.trim_after_large_request(nbytes, enabled=settings.malloc_trim)` calls "
+        "The fix: `asgi_lifetime.gateway._memory.trim_after_large_request(nbytes, enabled=settings.malloc_trim)` calls "
         "glibc's `malloc_trim(0)` (via ctypes; a no-op elsewhere) for requests of 8 MiB or more, unless the "
         "`MALLOC_TRIM` setting is off: every 8 MiB written while `prepare()` serializes a changed body; at the "
         "settle point, after the parse and the raw body are released (`_gateway._Input.release`); and once more "

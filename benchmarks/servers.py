@@ -63,7 +63,7 @@ async def sink(scope: Any, receive: Any, send: Any) -> None:
 
 def build_app(kind: str, *, upstream: str | None, retain: bool, tokens_per_second: float, trim: bool = True) -> Any:
     if kind == "demo":
-        from asgi_lifetime._demo_upstream import create_demo_upstream
+        from asgi_lifetime.testing._upstream import create_demo_upstream
 
         return create_demo_upstream(tokens_per_second=tokens_per_second, default_tokens=16)
     if kind == "sink":

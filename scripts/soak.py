@@ -39,10 +39,10 @@ from typing import Any
 import anyio
 import httpx
 
-from asgi_lifetime._demo_upstream import create_demo_upstream
-from asgi_lifetime._serve import serve_in_thread
+from asgi_lifetime.testing._upstream import create_demo_upstream
+from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime._settings import KiB, LifetimeSettings, MiB
-from asgi_lifetime._sse import SSEParser
+from asgi_lifetime.gateway._sse import SSEParser
 from asgi_lifetime.gateway import create_app
 
 PATH = "/v1/chat/completions"

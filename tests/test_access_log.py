@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from asgi_lifetime._access_log import ACCESS_LOGGER, AccessLog, public_path, public_url, session_hash
-from asgi_lifetime._bookkeeping import Bookkeeper, Outcome, record_outcome
 from asgi_lifetime._fingerprint import Fingerprint, fingerprint
+from asgi_lifetime.gateway._access_log import ACCESS_LOGGER, AccessLog, public_path, public_url, session_hash
+from asgi_lifetime.gateway._bookkeeping import Bookkeeper, Outcome, record_outcome
 
 WIRE_HASH = "0123456789abcdef" * 4
 FIELDS = [

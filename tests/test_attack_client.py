@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
 from asgi_lifetime._body import MAX_GZIP_MEMBERS
-from asgi_lifetime._serve import serve_in_thread
+from asgi_lifetime.testing._serve import serve_in_thread
 
 from .test_faults import Stack, assert_idle, raw_client, request_bytes, running
 

@@ -8,9 +8,9 @@ import anyio
 import httpx
 import pytest
 
-from asgi_lifetime._prepare import Prepared
 from asgi_lifetime._settings import LifetimeSettings
-from asgi_lifetime._upstream import UpstreamClient
+from asgi_lifetime.gateway._prepare import Prepared
+from asgi_lifetime.gateway._upstream import UpstreamClient
 
 pytestmark = pytest.mark.anyio
 

@@ -20,10 +20,10 @@ import pytest
 from starlette.types import Message, Receive, Scope, Send
 
 from asgi_lifetime._exceptions import error_shape
-from asgi_lifetime._relay import relay
-from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway._relay import relay
+from asgi_lifetime.testing._serve import serve_in_thread
 
 from . import sdk_upstream as up
 from .test_sdk import CLAUDE_HELLO, HELLO, SDK_TIMEOUT, SETTINGS, STALL_SECONDS, Served, _closing, serving, settle

@@ -16,8 +16,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from asgi_lifetime import UpstreamError, collect_text
-from asgi_lifetime._sse import SSEParser
+from asgi_lifetime.gateway._sse import SSEParser
 
 from ._raw_upstream import RawRequest, Script, raw_upstream
 from .test_faults import PATH, assert_idle, running
@@ -106,19 +105,6 @@ async def test_a_costly_event_without_a_terminal_is_output_not_starvation() -> N
     _, got, requests = await _stream_peak(chunk(event) + b"0\r\n\r\n")
     assert got == event
     assert requests == 1
-
-
-async def test_collect_text_refuses_a_costly_json_object() -> None:
-    # collect_text parsed a whole JSON answer of up to 64 MiB: "[{},{},...]" would be ~1.5 GiB.
-    body = b"[" + b",".join([b"{}"] * (256 * 1024)) + b"]"
-    head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-    with raw_upstream(answering(head + body)) as upstream:
-        async with httpx.AsyncClient(timeout=10) as client:
-            response = await client.send(client.build_request("POST", upstream.url + PATH, json={}), stream=True)
-            with pytest.raises(UpstreamError) as caught:
-                await collect_text(response)
-    assert caught.value.code == "upstream_too_complex"
-    assert response.is_closed
 
 
 def sse_errors(body: bytes) -> list[dict[str, Any]]:

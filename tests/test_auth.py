@@ -7,7 +7,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from asgi_lifetime._auth import GatewayAuth
+from asgi_lifetime.gateway._auth import GatewayAuth
 
 UPSTREAM_KEY = "sk-upstream-SECRET-0123456789"
 

@@ -29,8 +29,8 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
-from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime._settings import KiB, MiB
+from asgi_lifetime.testing._serve import serve_in_thread
 
 from .test_faults import eventually
 
@@ -455,7 +455,7 @@ async def test_body_timeout_cuts_a_sender_that_is_never_idle(server: str) -> Non
 @pytest.mark.parametrize("server", PIPELINING)
 async def test_gateway_key_401_closes_the_connection(server: str) -> None:
     """A refused key is answered before the body is read: the body must not be parsed as the next request."""
-    from asgi_lifetime._auth import GatewayAuth
+    from asgi_lifetime.gateway._auth import GatewayAuth
 
     served = make_app()
     inner = served.middleware

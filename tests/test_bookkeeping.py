@@ -10,8 +10,11 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from asgi_lifetime import _bookkeeping
-from asgi_lifetime._bookkeeping import (
+from asgi_lifetime._fingerprint import Fingerprint
+from asgi_lifetime._resources import RequestResources
+from asgi_lifetime._stats import Counters
+from asgi_lifetime.gateway import _bookkeeping
+from asgi_lifetime.gateway._bookkeeping import (
     OUTCOMES,
     SESSION_KEY_BYTES,
     Bookkeeper,
@@ -21,9 +24,6 @@ from asgi_lifetime._bookkeeping import (
     record_outcome,
     session_key,
 )
-from asgi_lifetime._fingerprint import Fingerprint
-from asgi_lifetime._scope import RequestScope
-from asgi_lifetime._stats import Counters
 
 
 def fp(tag: str = "a", *, text_comparable: bool = True, size: int = 10) -> Fingerprint:
@@ -390,7 +390,7 @@ async def test_concurrent_requests_released_by_request_scope_on_failure() -> Non
 
     async def request(i: int) -> None:
         nonlocal started
-        async with RequestScope(counters) as scope:
+        async with RequestResources(counters) as scope:
             scope.add(book.pin("shared"))
             book.record(make_outcome("shared"))
             started += 1
@@ -479,8 +479,8 @@ async def test_record_outcome_swallows_and_logs_failures(
 ) -> None:
     counters = Counters()
     book = SessionBook(max_sessions=2, counters=counters)
-    with caplog.at_level(logging.ERROR, logger="asgi_lifetime._bookkeeping"):
-        async with RequestScope(counters) as scope:
+    with caplog.at_level(logging.ERROR, logger="asgi_lifetime.gateway._bookkeeping"):
+        async with RequestResources(counters) as scope:
             scope.add(book.pin("s1"))
             await record_outcome(bookkeeper, make_outcome("s1"))  # must not raise
     assert counters.snapshot().idle
@@ -495,7 +495,7 @@ async def test_record_outcome_swallows_on_change_failure(caplog: pytest.LogCaptu
         raise ValueError("bad state")
 
     book = SessionBook(max_sessions=2, on_change=on_change)
-    with caplog.at_level(logging.ERROR, logger="asgi_lifetime._bookkeeping"):
+    with caplog.at_level(logging.ERROR, logger="asgi_lifetime.gateway._bookkeeping"):
         await record_outcome(book, make_outcome("s1"))
     assert book.get("s1") is not None
     assert len(caplog.records) == 1
@@ -506,7 +506,7 @@ async def test_record_outcome_bounds_a_wedged_bookkeeper(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_bookkeeping, "_RECORD_TIMEOUT", 0.01)
-    with caplog.at_level(logging.WARNING, logger="asgi_lifetime._bookkeeping"):
+    with caplog.at_level(logging.WARNING, logger="asgi_lifetime.gateway._bookkeeping"):
         with anyio.fail_after(2):
             await record_outcome(SlowBookkeeper(), make_outcome())
     [record] = caplog.records
@@ -528,7 +528,7 @@ def test_log_messages_carry_no_session_or_body(caplog: pytest.LogCaptureFixture)
     async def main() -> None:
         await record_outcome(FailingBookkeeper(), make_outcome("secret-session-id"))
 
-    with caplog.at_level(logging.ERROR, logger="asgi_lifetime._bookkeeping"):
+    with caplog.at_level(logging.ERROR, logger="asgi_lifetime.gateway._bookkeeping"):
         anyio.run(main)
     assert "secret-session-id" not in caplog.text
 

@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from asgi_lifetime import GiB, KiB, LifetimeSettings, MiB, __version__
-from asgi_lifetime._cli import (
+from asgi_lifetime._cli._main import (
     build_parser,
     export_environ,
     flag_values,
@@ -26,9 +26,9 @@ from asgi_lifetime._cli import (
     resolve_settings,
     settings_markdown,
 )
-from asgi_lifetime._demo_upstream import create_demo_upstream
-from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime._settings import ENV_PREFIX, SETTINGS
+from asgi_lifetime.testing._serve import serve_in_thread
+from asgi_lifetime.testing._upstream import create_demo_upstream
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
 SECRET = "sk-do-not-print-9f3a1c"

@@ -11,9 +11,9 @@ import pytest
 from rich.console import Console
 
 from asgi_lifetime import MiB
-from asgi_lifetime._demo import STREAMING, _Conversation, _RichDisplay, _Watch, main
+from asgi_lifetime._cli._demo import STREAMING, _Conversation, _RichDisplay, _Watch, main
 from asgi_lifetime._settings import ENV_PREFIX
-from asgi_lifetime._upstream import AttemptEvent
+from asgi_lifetime.gateway._upstream import AttemptEvent
 
 
 def test_the_short_demo_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from asgi_lifetime._demo_upstream import DemoStats, create_demo_upstream, parse_behaviour
-from asgi_lifetime._serve import serve_in_thread
+from asgi_lifetime.testing._serve import serve_in_thread
+from asgi_lifetime.testing._upstream import DemoStats, create_demo_upstream, parse_behaviour
 
 CHAT = {"model": "demo-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 STREAM = {**CHAT, "stream": True}

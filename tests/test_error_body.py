@@ -14,9 +14,9 @@ import anyio
 import httpx
 import pytest
 
-from asgi_lifetime._auth import KeyScrubber
-from asgi_lifetime._error_body import BoundedDecoder, ErrorBody, decoder_for, read_error_body, replay
 from asgi_lifetime._settings import KiB, MiB
+from asgi_lifetime.gateway._auth import KeyScrubber
+from asgi_lifetime.gateway._error_body import BoundedDecoder, ErrorBody, decoder_for, read_error_body, replay
 
 from ._raw_upstream import HOLD, RawRequest, Script, raw_upstream, response
 from .test_faults import PATH, assert_idle, raw_client, request_bytes, running

@@ -39,11 +39,11 @@ import pytest
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from asgi_lifetime._demo_upstream import DemoStats, create_demo_upstream
-from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime._settings import KiB, LifetimeSettings, MiB
-from asgi_lifetime._sse import SSEParser
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway._sse import SSEParser
+from asgi_lifetime.testing._serve import serve_in_thread
+from asgi_lifetime.testing._upstream import DemoStats, create_demo_upstream
 
 pytestmark = pytest.mark.anyio
 

@@ -21,9 +21,9 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
 
 from asgi_lifetime import LifetimeSettings
-from asgi_lifetime._bookkeeping import Outcome
-from asgi_lifetime._prepare import Draft
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway._bookkeeping import Outcome
+from asgi_lifetime.gateway._prepare import Draft
 
 pytestmark = pytest.mark.anyio
 

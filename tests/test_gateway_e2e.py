@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from asgi_lifetime import LifetimeSettings
-from asgi_lifetime._demo_upstream import DemoStats, create_demo_upstream
-from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.testing._serve import serve_in_thread
+from asgi_lifetime.testing._upstream import DemoStats, create_demo_upstream
 
 PATH = "/v1/chat/completions"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me something"}]

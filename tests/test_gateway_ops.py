@@ -24,10 +24,10 @@ from starlette.routing import Route
 from starlette.types import Message
 
 from asgi_lifetime import LifetimeSettings
-from asgi_lifetime._demo_upstream import create_demo_upstream
-from asgi_lifetime._serve import serve_in_thread
-from asgi_lifetime._shutdown import request_shutdown, reset_shutdown
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway._shutdown import request_shutdown, reset_shutdown
+from asgi_lifetime.testing._serve import serve_in_thread
+from asgi_lifetime.testing._upstream import create_demo_upstream
 from tests.test_faults import assert_idle, running
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -450,7 +450,7 @@ def test_user_info_survives_replace_and_export_and_is_masked() -> None:
 async def test_user_info_keeps_the_guarded_pool_and_reaches_a_client_of_your_own() -> None:
     """The user info is added where the request is built: the gateway's own transport stays the one
     that never reuses a desynchronised connection, and a client= of the caller's sends it too."""
-    from asgi_lifetime._transport import GuardedTransport
+    from asgi_lifetime.gateway._transport import GuardedTransport
 
     config = settings(upstream_url=("http://user:pw@upstream.test/base",))
     app = create_app(config)

@@ -9,12 +9,12 @@ import httpx
 import pytest
 import respx
 
-from asgi_lifetime import LifetimeSettings, _json, _memory
+from asgi_lifetime import LifetimeSettings, _json
 from asgi_lifetime._fingerprint import fingerprint
-from asgi_lifetime._prepare import Draft, prepare
-from asgi_lifetime._scope import RequestScope
+from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._stats import Counters
-from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway import _memory, create_app
+from asgi_lifetime.gateway._prepare import Draft, prepare
 
 
 def test_small_requests_are_not_trimmed() -> None:
@@ -100,7 +100,7 @@ async def test_prepare_trims_while_serializing_only_when_enabled(
         method="POST",
         path=PATH,
         headers=[],
-        scope=RequestScope(Counters()),
+        resources=RequestResources(Counters()),
         malloc_trim=malloc_trim,
     )
     assert prepared.body is not None and len(prepared.body) > LARGE

@@ -17,18 +17,18 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
-from asgi_lifetime import _metrics
-from asgi_lifetime._bookkeeping import Bookkeeper, Outcome, record_outcome
 from asgi_lifetime._fingerprint import Fingerprint
-from asgi_lifetime._metrics import (
+from asgi_lifetime._stats import Counters
+from asgi_lifetime.gateway import _metrics
+from asgi_lifetime.gateway._bookkeeping import Bookkeeper, Outcome, record_outcome
+from asgi_lifetime.gateway._metrics import (
     CONTENT_TYPE,
     LATENCY_BUCKETS,
     MULTIPROC_DIR_ENV,
     GatewayMetrics,
     make_metrics_route,
 )
-from asgi_lifetime._stats import Counters
-from asgi_lifetime._upstream import AttemptEvent
+from asgi_lifetime.gateway._upstream import AttemptEvent
 
 A = "http://upstream-a:8000"
 B_CONFIGURED = "https://user:PASSWORD@upstream-b:9000/v1?api-key=URLKEY"
@@ -427,9 +427,9 @@ def test_multiprocess_removes_gauges_of_dead_processes(
 _CHILD = textwrap.dedent(
     """
     import os, sys
-    from asgi_lifetime._bookkeeping import Outcome
+    from asgi_lifetime.gateway._bookkeeping import Outcome
     from asgi_lifetime._fingerprint import Fingerprint
-    from asgi_lifetime._metrics import GatewayMetrics
+    from asgi_lifetime.gateway._metrics import GatewayMetrics
     from asgi_lifetime._stats import Counters
 
     counters = Counters()

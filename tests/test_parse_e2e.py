@@ -29,10 +29,10 @@ from starlette.types import Receive, Scope, Send
 
 from asgi_lifetime import _json
 from asgi_lifetime._parse import THREAD_THRESHOLD, parse_cost
-from asgi_lifetime._prepare import Draft, Preparer
-from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime._settings import LifetimeSettings, MiB
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway._prepare import Draft, Preparer
+from asgi_lifetime.testing._serve import serve_in_thread
 from benchmarks.bodies import make_body
 
 from .test_faults import FAST, PATH, assert_idle, error_code

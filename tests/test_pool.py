@@ -12,7 +12,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from asgi_lifetime._pool import UpstreamPool, UpstreamState
+from asgi_lifetime.gateway._pool import UpstreamPool, UpstreamState
 
 URLS = ("http://a:8000", "http://b:8000", "http://c:8000", "http://d:8000")
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def test_adding_an_upstream_moves_sessions_only_to_it() -> None:
 
 _CHILD = """
 import json, sys
-from asgi_lifetime._pool import UpstreamPool
+from asgi_lifetime.gateway._pool import UpstreamPool
 urls, ids = json.load(sys.stdin)
 pool = UpstreamPool(urls, cooloff=30.0)
 json.dump({sid: pool.choose(sid) for sid in ids}, sys.stdout)

@@ -9,10 +9,10 @@ import pytest
 
 from asgi_lifetime import _json
 from asgi_lifetime._fingerprint import fingerprint
-from asgi_lifetime._prepare import Draft, Prepared, Preparer, prepare
-from asgi_lifetime._refold import Conversation, Refold
-from asgi_lifetime._scope import RequestScope
+from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._stats import Counters
+from asgi_lifetime.gateway._prepare import Draft, Prepared, Preparer, prepare
+from asgi_lifetime.gateway._refold import Conversation, Refold
 
 pytestmark = pytest.mark.anyio
 
@@ -25,7 +25,7 @@ class Message(dict[str, Any]):
 
 
 async def run(
-    preparers: list[Preparer], raw: bytes = RAW, parsed: Any = None, scope: RequestScope | None = None
+    preparers: list[Preparer], raw: bytes = RAW, parsed: Any = None, resources: RequestResources | None = None
 ) -> Prepared:
     parsed = _json.loads(raw) if parsed is None else parsed
     return await prepare(
@@ -37,7 +37,7 @@ async def run(
         method="POST",
         path="/v1/chat/completions?stream=true",
         headers=HEADERS,
-        scope=scope or RequestScope(Counters()),
+        resources=resources or RequestResources(Counters()),
     )
 
 
@@ -104,7 +104,7 @@ async def test_preparer_headers_are_added_and_replace_same_name() -> None:
 
 async def test_add_resource_registers_with_the_request_scope() -> None:
     counters = Counters()
-    scope = RequestScope(counters)
+    scope = RequestResources(counters)
     released: list[str] = []
     kept: list[Draft] = []
 
@@ -112,7 +112,7 @@ async def test_add_resource_registers_with_the_request_scope() -> None:
         draft.add_resource(lambda: released.append("fork"))
         kept.append(draft)
 
-    await run([fork], scope=scope)
+    await run([fork], resources=scope)
     assert counters.live_resources == 1
     await scope.aclose()
     assert counters.live_resources == 0
@@ -208,7 +208,7 @@ async def test_a_custom_refold_factory_gets_the_final_parse_until_settle() -> No
         draft.body["messages"].append(Message(role="user", content="more"))
         draft.mark_changed()
 
-    scope = RequestScope(Counters())
+    scope = RequestResources(Counters())
     raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
     parsed = _json.loads(raw)
     prepared = await prepare(
@@ -220,7 +220,7 @@ async def test_a_custom_refold_factory_gets_the_final_parse_until_settle() -> No
         method="POST",
         path="/",
         headers=[],
-        scope=scope,
+        resources=scope,
         refold_factory=factory,
     )
     del parsed

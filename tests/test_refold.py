@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from asgi_lifetime._refold import (
+from asgi_lifetime.gateway._refold import (
     Conversation,
     OverflowMatch,
     default_refold,

@@ -10,10 +10,9 @@ import httpx
 import pytest
 from starlette.types import Message
 
-from asgi_lifetime._exceptions import StarvationError, UpstreamError, UpstreamStalled
-from asgi_lifetime._relay import HOP_BY_HOP, RelayResult, collect_text, filter_headers, relay
-from asgi_lifetime._sse import KEEPALIVE, SSEEvent, SSEParser
 from asgi_lifetime._stats import Counters
+from asgi_lifetime.gateway._relay import HOP_BY_HOP, RelayResult, filter_headers, relay
+from asgi_lifetime.gateway._sse import KEEPALIVE, SSEEvent, SSEParser
 
 SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8"}
 
@@ -883,130 +882,6 @@ async def test_invalid_timeouts() -> None:
             stall_timeout=1,
             keepalive_interval=0,
         )
-
-
-# -- collect_text ---------------------------------------------------------------------------------
-
-ANTHROPIC_SSE = (
-    sse(
-        {"type": "message_start", "message": {"type": "message", "content": [], "stop_reason": None}},
-        event="message_start",
-    )
-    + sse(
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-        event="content_block_start",
-    )
-    + sse(
-        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hel"}},
-        event="content_block_delta",
-    )
-    + sse(
-        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "lo"}},
-        event="content_block_delta",
-    )
-    + sse({"type": "message_delta", "delta": {"stop_reason": "end_turn"}}, event="message_delta")
-    + sse({"type": "message_stop"}, event="message_stop")
-)
-RESPONSES_SSE = (
-    sse({"type": "response.output_text.delta", "delta": "Hel"}, event="response.output_text.delta")
-    + sse({"type": "response.output_text.delta", "delta": "lo"}, event="response.output_text.delta")
-    + sse({"type": "response.completed", "response": {"status": "completed", "output": []}}, event="response.completed")
-)
-CHAT_JSON = {
-    "object": "chat.completion",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}],
-}
-ANTHROPIC_JSON = {"type": "message", "content": [{"type": "text", "text": "Hello"}], "stop_reason": "end_turn"}
-RESPONSES_JSON = {
-    "object": "response",
-    "status": "completed",
-    "output": [{"type": "message", "content": [{"type": "output_text", "text": "Hello"}]}],
-}
-GEMINI_JSON = [
-    {"candidates": [{"content": {"parts": [{"text": "Hel"}]}}]},
-    {"candidates": [{"content": {"parts": [{"text": "lo"}]}, "finishReason": "STOP"}]},
-]
-
-COLLECT_OK: dict[str, tuple[bytes, dict[str, str], str]] = {
-    "openai-sse": (ROLE + HELLO + STOP + DONE, SSE_HEADERS, "Hello"),
-    "anthropic-sse": (ANTHROPIC_SSE, SSE_HEADERS, "Hello"),
-    "responses-sse": (RESPONSES_SSE, SSE_HEADERS, "Hello"),
-    "natural-empty-sse": (ROLE + STOP + DONE, SSE_HEADERS, ""),
-    "chat-json": (json.dumps(CHAT_JSON).encode(), {"content-type": "application/json"}, "Hello"),
-    "anthropic-json": (json.dumps(ANTHROPIC_JSON).encode(), {"content-type": "application/json"}, "Hello"),
-    "responses-json": (json.dumps(RESPONSES_JSON).encode(), {"content-type": "application/json"}, "Hello"),
-    "gemini-json-array": (json.dumps(GEMINI_JSON).encode(), {"content-type": "application/json"}, "Hello"),
-}
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize(("body", "headers", "text"), list(COLLECT_OK.values()), ids=list(COLLECT_OK))
-async def test_collect_text(body: bytes, headers: dict[str, str], text: str) -> None:
-    stream = Upstream(*(body[i : i + 13] for i in range(0, len(body), 13)))
-    with anyio.fail_after(2):
-        assert await collect_text(upstream_response(stream, headers=headers)) == text
-    assert stream.closed
-
-
-@pytest.mark.anyio
-async def test_collect_text_decodes_gzip_sse() -> None:
-    stream = Upstream(gzip.compress(ROLE + HELLO + STOP + DONE))
-    response = upstream_response(stream, headers={**SSE_HEADERS, "content-encoding": "gzip"})
-    assert await collect_text(response) == "Hello"
-
-
-EMPTY_CHAT = {"choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-COLLECT_STARVED: dict[str, tuple[bytes, dict[str, str]]] = {
-    "empty-stream": (b"", SSE_HEADERS),
-    "comments-only": (b": ping\n\n" * 3, SSE_HEADERS),
-    "no-terminal": (ROLE + HELLO, SSE_HEADERS),
-    "done-only": (ROLE + DONE, SSE_HEADERS),
-    "empty-json": (json.dumps(EMPTY_CHAT).encode(), {"content-type": "application/json"}),
-}
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize(("body", "headers"), list(COLLECT_STARVED.values()), ids=list(COLLECT_STARVED))
-async def test_collect_text_starvation(body: bytes, headers: dict[str, str]) -> None:
-    stream = Upstream(body) if body else Upstream()
-    with anyio.fail_after(2), pytest.raises(StarvationError):
-        await collect_text(upstream_response(stream, headers=headers))
-    assert stream.closed
-
-
-@pytest.mark.anyio
-async def test_collect_text_upstream_error_event_is_not_starvation() -> None:
-    body = ROLE + sse({"error": {"message": "context length exceeded"}}, event="error")
-    with pytest.raises(UpstreamError, match="context length exceeded") as info:
-        await collect_text(upstream_response(Upstream(body), headers=SSE_HEADERS))
-    assert not isinstance(info.value, StarvationError)
-
-
-@pytest.mark.anyio
-async def test_collect_text_error_status() -> None:
-    stream = Upstream(b'{"error":{"message":"bad key"}}')
-    response = upstream_response(stream, status=401, headers={"content-type": "application/json"})
-    with pytest.raises(UpstreamError, match="HTTP 401: bad key"):
-        await collect_text(response)
-    assert stream.closed
-
-
-@pytest.mark.anyio
-async def test_collect_text_stall_and_size_limit() -> None:
-    stream = Upstream(ROLE, 30.0, DONE)
-    with anyio.fail_after(2), pytest.raises(UpstreamStalled):
-        await collect_text(upstream_response(stream, headers=SSE_HEADERS), stall_timeout=0.1)
-    assert stream.closed
-    big = Upstream(b"x" * 100, b"x" * 100)
-    with pytest.raises(UpstreamError, match="exceeds 150 bytes"):
-        await collect_text(upstream_response(big, headers={"content-type": "application/json"}), max_bytes=150)
-    assert big.closed
-
-
-@pytest.mark.anyio
-async def test_collect_text_invalid_json() -> None:
-    with pytest.raises(UpstreamError, match="not valid JSON"):
-        await collect_text(upstream_response(Upstream(b"<html>"), headers={"content-type": "text/html"}))
 
 
 # -- graceful shutdown: the stop event -------------------------------------------------------

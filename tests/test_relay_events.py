@@ -31,10 +31,10 @@ import anyio
 import httpx
 import pytest
 
-from asgi_lifetime._relay import EVENT_HOLD_LIMIT, relay
 from asgi_lifetime._settings import MiB
-from asgi_lifetime._sse import MAX_BUFFER, SSEEvent, SSEParser
 from asgi_lifetime._stats import Counters
+from asgi_lifetime.gateway._relay import EVENT_HOLD_LIMIT, relay
+from asgi_lifetime.gateway._sse import MAX_BUFFER, SSEEvent, SSEParser
 
 from .test_faults import Stack, assert_idle, running
 from .test_relay import SSE_HEADERS, Client, Reissuer, Upstream, upstream_response

@@ -38,9 +38,9 @@ from blake3 import blake3
 from starlette.types import Message
 
 from asgi_lifetime import LifetimeSettings, MiB
-from asgi_lifetime._prepare import Draft, Prepared
-from asgi_lifetime._refold import Conversation
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway._prepare import Draft, Prepared
+from asgi_lifetime.gateway._refold import Conversation
 
 pytestmark = pytest.mark.anyio
 

@@ -30,9 +30,9 @@ from openai._streaming import SSEDecoder
 from openai.types.chat import ChatCompletionMessageParam
 from starlette.applications import Starlette
 
-from asgi_lifetime._serve import serve_in_thread
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.testing._serve import serve_in_thread
 
 from . import sdk_upstream as up
 from .sdk_upstream import Fault, ScriptedUpstream

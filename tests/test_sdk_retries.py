@@ -22,9 +22,9 @@ from asgi_lifetime._exceptions import (
     BodyTooLarge,
     LifetimeError,
     MalformedBody,
-    StarvationError,
     UpstreamError,
     UpstreamStalled,
+    UpstreamStarved,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -157,7 +157,7 @@ def test_without_gateway_retries_the_sdk_may_retry() -> None:
         UpstreamUnreachable("x"),
         UpstreamTimeout("x"),
         UpstreamStalled("x"),
-        StarvationError("x"),
+        UpstreamStarved("x"),
     ],
 )
 def test_gateway_errors_tell_sdks_not_to_retry(error: LifetimeError) -> None:

@@ -23,9 +23,9 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from asgi_lifetime._demo_upstream import create_demo_upstream
 from asgi_lifetime._settings import KiB, MiB
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.testing._upstream import create_demo_upstream
 
 from .test_faults import (
     CHAT,

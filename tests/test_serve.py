@@ -13,7 +13,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
-from asgi_lifetime._serve import serve_in_thread
+from asgi_lifetime.testing._serve import serve_in_thread
 
 
 async def hello(scope: Scope, receive: Receive, send: Send) -> None:

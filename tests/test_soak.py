@@ -17,8 +17,8 @@ from types import ModuleType
 import httpx
 import pytest
 
-from asgi_lifetime._demo_upstream import create_demo_upstream
-from asgi_lifetime._serve import serve_in_thread
+from asgi_lifetime.testing._serve import serve_in_thread
+from asgi_lifetime.testing._upstream import create_demo_upstream
 
 REQUESTS = 5000
 CONCURRENCY = 16

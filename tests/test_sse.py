@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from asgi_lifetime._sse import (
+from asgi_lifetime.gateway._sse import (
     FORMATS,
     KEEPALIVE,
     SSEEvent,

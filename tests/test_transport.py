@@ -19,8 +19,8 @@ import httpcore
 import httpx
 import pytest
 
-from asgi_lifetime._relay import relay
-from asgi_lifetime._transport import GuardedTransport, _leftover, stop_reading
+from asgi_lifetime.gateway._relay import relay
+from asgi_lifetime.gateway._transport import GuardedTransport, _leftover, stop_reading
 
 from ._raw_upstream import HOLD, RawRequest, Script, chunked, raw_upstream, response
 from .test_faults import assert_idle, running

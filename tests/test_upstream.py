@@ -19,11 +19,11 @@ import respx
 from asgi_lifetime import _json
 from asgi_lifetime._exceptions import UpstreamTimeout, UpstreamUnreachable
 from asgi_lifetime._fingerprint import fingerprint
-from asgi_lifetime._prepare import Draft, Prepared, prepare
-from asgi_lifetime._scope import RequestScope
+from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime._stats import Counters
-from asgi_lifetime._upstream import AttemptEvent, UpstreamClient
+from asgi_lifetime.gateway._prepare import Draft, Prepared, prepare
+from asgi_lifetime.gateway._upstream import AttemptEvent, UpstreamClient
 
 pytestmark = pytest.mark.anyio
 
@@ -107,7 +107,7 @@ async def chat(doc: dict[str, Any]) -> Prepared:
         method="POST",
         path=PATH,
         headers=[("content-type", "application/json")],
-        scope=RequestScope(Counters()),
+        scope=RequestResources(Counters()),
     )
 
 
@@ -710,7 +710,7 @@ async def release_case(retain: bool) -> tuple[Prepared, httpx.Response, bytes, l
         method="POST",
         path=PATH,
         headers=[],
-        scope=RequestScope(Counters()),
+        scope=RequestResources(Counters()),
     )
     del messages, raw  # the caller drops its own references
     assert prepared.refold is not None

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from asgi_lifetime._auth import REDACTED, GatewayAuth, KeyScrubber
 from asgi_lifetime._settings import LifetimeSettings
+from asgi_lifetime.gateway._auth import REDACTED, GatewayAuth, KeyScrubber
 
 from ._raw_upstream import RawRequest, Script, raw_upstream, response
 from .test_faults import GAUGES, PATH, Stack, busy_connections, eventually, running

@@ -18,14 +18,14 @@ import anyio
 import httpx
 from starlette.types import Receive, Scope, Send
 
+from .._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
+from .._middleware import Lifetime, RequestLifetime, send_error
+from .._resources import Resource
 from ._bookkeeping import Bookkeeper, Outcome, SessionBook, record_outcome
-from ._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
 from ._memory import trim_after_large_request
-from ._middleware import Lifetime, RequestLifetime, send_error
 from ._prepare import Prepared, Preparer, prepare
 from ._refold import Conversation, Refold, default_refold
 from ._relay import filter_headers, relay
-from ._scope import Resource
 from ._upstream import UpstreamClient
 
 __all__ = ["Forwarder"]
@@ -217,7 +217,7 @@ class Forwarder:
             method=scope["method"],
             path=_upstream_path(scope),
             headers=headers,
-            scope=state.resources,
+            resources=state.resources,
             refold_factory=self.refold_factory,
             malloc_trim=self.settings.malloc_trim,
         )

@@ -30,16 +30,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .._exceptions import LifetimeError, error_body, error_shape
+from .._middleware import Lifetime, LifetimeMiddleware
+from .._settings import LifetimeSettings
 from ._access_log import AccessLog
 from ._auth import GatewayAuth
 from ._bookkeeping import Bookkeeper, SessionBook
-from ._exceptions import LifetimeError, error_body, error_shape
-from ._gateway import Forwarder
+from ._forward import Forwarder
 from ._metrics import GatewayMetrics, make_metrics_route
-from ._middleware import Lifetime, LifetimeMiddleware
 from ._prepare import Preparer
 from ._refold import Conversation, Refold, default_refold
-from ._settings import LifetimeSettings
 from ._shutdown import grace_starts_at, shutdown_requested
 from ._upstream import AttemptEvent, UpstreamClient
 

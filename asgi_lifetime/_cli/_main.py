@@ -35,9 +35,8 @@ import uvicorn
 from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
 from uvicorn.supervisors import Multiprocess, multiprocess
 
-from . import __version__
-from ._auth import is_loopback
-from ._settings import (
+from .. import __version__
+from .._settings import (
     ENV_PREFIX,
     SETTINGS,
     GiB,
@@ -53,7 +52,9 @@ from ._settings import (
     collect_environ,
     redact_url,
 )
-from ._shutdown import request_shutdown
+from ..gateway._auth import is_loopback
+from ..gateway._shutdown import request_shutdown
+from . import install_hint
 
 __all__ = [
     "build_parser",
@@ -406,8 +407,8 @@ def _demo_upstream_if_needed(settings: LifetimeSettings) -> Iterator[LifetimeSet
     if settings.upstream_url:
         yield settings
         return
-    from ._demo_upstream import create_demo_upstream
-    from ._serve import serve_in_thread
+    from ..testing._serve import serve_in_thread
+    from ..testing._upstream import create_demo_upstream
 
     with serve_in_thread(create_demo_upstream(tokens_per_second=50.0), shutdown_timeout=5.0) as url:
         # uvicorn's loggers are process-wide: without this, the demo's access log reads like the gateway's.
@@ -530,17 +531,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_setting_flags(report)
     report.set_defaults(handler=_cmd_settings)
 
-    from . import _demo
-
-    demo = commands.add_parser(
-        "demo",
-        help="send a large request through the gateway to a DEMO upstream, offline",
-        description=_demo.DESCRIPTION,
-        formatter_class=formatter,
-    )
+    demo_help = "send a large request through the gateway to a DEMO upstream, offline"
+    try:
+        from . import _demo
+    except ModuleNotFoundError as exc:
+        hint = install_hint(exc, "demo")
+        if hint is None:
+            raise
+        # The other commands work without the demo's display; ``demo`` says what to install.
+        demo = commands.add_parser("demo", help=demo_help, add_help=False)
+        demo.add_argument("rest", nargs=argparse.REMAINDER)
+        demo.set_defaults(handler=lambda args: _fail(hint))
+        return parser
+    demo = commands.add_parser("demo", help=demo_help, description=_demo.DESCRIPTION, formatter_class=formatter)
     _demo.add_arguments(demo)
     demo.set_defaults(handler=_demo.run)
     return parser
+
+
+def _fail(message: str) -> int:
+    print(message, file=sys.stderr)
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,8 +8,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from asgi_lifetime import _scope
-from asgi_lifetime._scope import RequestScope
+from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._stats import Counters, LifetimeStats
 
 anyio_mark = pytest.mark.anyio
@@ -26,7 +25,7 @@ def recorder(log: list[str], name: str) -> Callable[[], None]:
 async def test_releases_last_acquired_first() -> None:
     counters = Counters()
     log: list[str] = []
-    async with RequestScope(counters) as scope:
+    async with RequestResources(counters) as scope:
         for name in ["admission", "pin", "response"]:
             scope.add(recorder(log, name))
         assert log == []
@@ -39,7 +38,7 @@ async def test_releases_last_acquired_first() -> None:
 async def test_each_resource_released_once() -> None:
     counters = Counters()
     log: list[str] = []
-    scope = RequestScope(counters)
+    scope = RequestResources(counters)
     scope.add(recorder(log, "a"))
     scope.add(recorder(log, "b"))
     await scope.aclose()
@@ -54,7 +53,7 @@ async def test_each_resource_released_once() -> None:
 async def test_early_release_then_aclose_does_not_release_twice() -> None:
     counters = Counters()
     log: list[str] = []
-    scope = RequestScope(counters)
+    scope = RequestResources(counters)
     scope.add(recorder(log, "a"))
     handle = scope.add(recorder(log, "b"))
     scope.add(recorder(log, "c"))
@@ -80,7 +79,7 @@ async def test_sync_and_async_release_callables() -> None:
         await anyio.lowlevel.checkpoint()
         log.append("async")
 
-    async with RequestScope(counters) as scope:
+    async with RequestResources(counters) as scope:
         scope.add(recorder(log, "sync"))
         scope.add(close_response)
         scope.add(recorder(log, "sync-last"))
@@ -100,8 +99,8 @@ async def test_failing_release_is_logged_and_the_others_still_run(caplog: pytest
         await anyio.lowlevel.checkpoint()
         raise OSError("async boom")
 
-    caplog.set_level(logging.ERROR, logger="asgi_lifetime._scope")
-    async with RequestScope(counters) as scope:
+    caplog.set_level(logging.ERROR, logger="asgi_lifetime._resources")
+    async with RequestResources(counters) as scope:
         scope.add(recorder(log, "first"))
         scope.add(broken_sync)
         scope.add(recorder(log, "middle"))
@@ -109,7 +108,7 @@ async def test_failing_release_is_logged_and_the_others_still_run(caplog: pytest
         scope.add(recorder(log, "last"))
     assert log == ["last", "middle", "first"]
     assert counters.live_resources == 0
-    records = [r for r in caplog.records if r.name == "asgi_lifetime._scope"]
+    records = [r for r in caplog.records if r.name == "asgi_lifetime._resources"]
     assert [r.getMessage() for r in records] == ["releasing a request resource failed"] * 2
     assert [type(r.exc_info[1]) for r in records if r.exc_info] == [OSError, RuntimeError]
 
@@ -125,7 +124,7 @@ async def test_async_release_runs_when_the_scope_is_cancelled() -> None:
 
     with anyio.fail_after(2):
         with anyio.CancelScope() as cancel_scope:
-            async with RequestScope(counters) as scope:
+            async with RequestResources(counters) as scope:
                 scope.add(close_response)
                 scope.add(close_response)
                 cancel_scope.cancel()
@@ -146,7 +145,7 @@ async def test_async_release_of_a_cancelled_task() -> None:
         log.append("closed")
 
     async def request() -> None:
-        async with RequestScope(counters) as scope:
+        async with RequestResources(counters) as scope:
             scope.add(recorder(log, "unpin"))
             scope.add(close_response)
             entered.set()
@@ -164,7 +163,7 @@ async def test_async_release_of_a_cancelled_task() -> None:
 @anyio_mark
 @pytest.mark.parametrize("cancelled", [False, True])
 async def test_async_release_is_bounded(monkeypatch: pytest.MonkeyPatch, cancelled: bool) -> None:
-    monkeypatch.setattr(_scope, "_ASYNC_RELEASE_TIMEOUT", 0.05)
+    monkeypatch.setattr(_resources, "_ASYNC_RELEASE_TIMEOUT", 0.05)
     counters = Counters()
     log: list[str] = []
 
@@ -173,7 +172,7 @@ async def test_async_release_is_bounded(monkeypatch: pytest.MonkeyPatch, cancell
 
     with anyio.fail_after(2):
         with anyio.CancelScope() as cancel_scope:
-            async with RequestScope(counters) as scope:
+            async with RequestResources(counters) as scope:
                 scope.add(recorder(log, "after"))
                 scope.add(wedged)
                 if cancelled:
@@ -187,12 +186,12 @@ async def test_async_release_is_bounded(monkeypatch: pytest.MonkeyPatch, cancell
 async def test_add_after_close_is_refused() -> None:
     counters = Counters()
     log: list[str] = []
-    scope = RequestScope(counters)
+    scope = RequestResources(counters)
     scope.add(recorder(log, "a"))
     await scope.aclose()
-    with pytest.raises(RuntimeError, match="already closed"):
+    with pytest.raises(RuntimeError, match="already released"):
         scope.add(recorder(log, "late"))
-    with pytest.raises(RuntimeError, match="already closed"):
+    with pytest.raises(RuntimeError, match="already released"):
         scope.retain(100)
     assert counters.live_resources == 0
     assert counters.retained_input_bytes == 0
@@ -204,7 +203,7 @@ async def test_add_after_close_is_refused() -> None:
 @anyio_mark
 async def test_gauges_go_up_and_back_to_zero() -> None:
     counters = Counters()
-    async with RequestScope(counters) as scope:
+    async with RequestResources(counters) as scope:
         scope.add(recorder([], "a"))
         scope.add(recorder([], "b"))
         body = scope.retain(100)
@@ -224,8 +223,8 @@ async def test_gauges_go_up_and_back_to_zero() -> None:
 @anyio_mark
 async def test_scopes_share_counters() -> None:
     counters = Counters()
-    first = RequestScope(counters)
-    second = RequestScope(counters)
+    first = RequestResources(counters)
+    second = RequestResources(counters)
     first.retain(10)
     second.retain(20)
     first.add(recorder([], "x"))
@@ -241,7 +240,7 @@ async def test_exception_in_body_still_releases() -> None:
     counters = Counters()
     log: list[str] = []
     with pytest.raises(ZeroDivisionError):
-        async with RequestScope(counters) as scope:
+        async with RequestResources(counters) as scope:
             scope.add(recorder(log, "a"))
             1 / 0  # noqa: B018
     assert log == ["a"]

@@ -38,8 +38,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._json import JSONDecodeFailure, dumps, loads
-from ._parse import too_costly
+from .._json import JSONDecodeFailure, dumps, loads
+from .._parse import too_costly
 
 __all__ = [
     "FORMATS",

@@ -13,7 +13,7 @@ retries settle, and a changed body is serialized without emptying it.)::
 
     fp = fingerprint(raw, parsed=parsed)
     prepared = await prepare(raw, parsed, preparers=[route_model], fingerprint=fp, session_id=sid,
-                             method="POST", path="/v1/chat/completions", headers=outbound, scope=scope)
+                             method="POST", path="/v1/chat/completions", headers=outbound, resources=resources)
     del raw, parsed                     # the caller's own references go too
 """
 
@@ -25,11 +25,11 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
-from . import _json
-from ._fingerprint import Fingerprint
+from .. import _json
+from .._fingerprint import Fingerprint
+from .._resources import RequestResources
 from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
-from ._scope import RequestScope
 
 __all__ = ["Draft", "Prepared", "Preparer", "prepare"]
 
@@ -54,14 +54,14 @@ class Draft:
     ```
     """
 
-    __slots__ = ("_body", "_changed", "_scope", "headers", "fingerprint", "session_id", "path")
+    __slots__ = ("_body", "_changed", "_resources", "headers", "fingerprint", "session_id", "path")
 
     def __init__(
-        self, body: Any, *, fingerprint: Fingerprint, session_id: str | None, path: str, scope: RequestScope
+        self, body: Any, *, fingerprint: Fingerprint, session_id: str | None, path: str, resources: RequestResources
     ) -> None:
         self._body = body
         self._changed = False
-        self._scope: RequestScope | None = scope
+        self._resources: RequestResources | None = resources
         self.headers: dict[str, str] = {}
         self.fingerprint = fingerprint
         self.session_id = session_id
@@ -87,13 +87,13 @@ class Draft:
 
     def add_resource(self, release: Callable[[], object]) -> None:
         """Register ``release`` (sync, or returning an awaitable) to run when the request settles."""
-        if self._scope is None:
+        if self._resources is None:
             raise RuntimeError("the draft is closed: register resources while the preparer runs")
-        self._scope.add(release)
+        self._resources.add(release)
 
     def _close(self) -> Any:
         """Take the body out: a preparer that kept a reference to the draft keeps nothing."""
-        body, self._body, self._scope = self._body, None, None
+        body, self._body, self._resources = self._body, None, None
         return body
 
 
@@ -166,7 +166,7 @@ async def prepare(
     method: str,
     path: str,
     headers: Sequence[tuple[str, str]],
-    scope: RequestScope,
+    resources: RequestResources,
     refold_factory: Callable[[Conversation], Refold] = default_refold,
     remap_factory: Callable[[Conversation], RemapRole] = default_remap_role,
     malloc_trim: bool = True,
@@ -184,7 +184,7 @@ async def prepare(
     until ``Prepared.settle()``. ``malloc_trim`` is the ``MALLOC_TRIM`` setting: whether the
     freed parse goes back to the OS while a large changed body is serialized.
     """
-    draft = Draft(parsed, fingerprint=fingerprint, session_id=session_id, path=path, scope=scope)
+    draft = Draft(parsed, fingerprint=fingerprint, session_id=session_id, path=path, resources=resources)
     del parsed  # the draft is its one holder here: a replaced body can be freed while preparers run
     try:
         for preparer in preparers:

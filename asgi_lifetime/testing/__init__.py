@@ -9,7 +9,7 @@ with serve_in_thread(create_demo_upstream()) as upstream_url:
 ```
 """
 
-from ._demo_upstream import DemoStats, create_demo_upstream, parse_behaviour
 from ._serve import serve_in_thread
+from ._upstream import DemoStats, create_demo_upstream, parse_behaviour
 
 __all__ = ["DemoStats", "create_demo_upstream", "parse_behaviour", "serve_in_thread"]

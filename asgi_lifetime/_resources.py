@@ -2,7 +2,7 @@
 
 Everything a request acquires (its admission, a session pin, the upstream response,
 retained input bytes, anything a preparer registers) is registered with the request's
-``RequestScope``. Closing the scope releases what is still held, last acquired first,
+``RequestResources``. Closing the scope releases what is still held, last acquired first,
 exactly once, and it is closed the moment the request settles: on success, error,
 timeout, disconnect and cancellation alike. Nothing waits for process shutdown.
 """
@@ -19,7 +19,7 @@ import anyio
 
 from ._stats import Counters
 
-__all__ = ["RequestScope", "Resource"]
+__all__ = ["RequestResources", "Resource"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +86,11 @@ async def _await(awaitable: Awaitable[object]) -> object:
     return await awaitable
 
 
-class RequestScope:
+class RequestResources:
     """The resources one request holds, released together when it settles.
 
     ```python
-    async with RequestScope(counters) as scope:
+    async with RequestResources(counters) as scope:
         scope.add(pins.unpin_callback)          # sync or async release callable
         held = scope.retain(len(raw))           # counts toward retained_input_bytes
         ...
@@ -116,7 +116,7 @@ class RequestScope:
     def _register(self, release: Callable[[], object], gauge: str, amount: int) -> Resource:
         if self._closed:
             # A resource acquired after settlement would never be released: refuse it.
-            raise RuntimeError("request scope is already closed")
+            raise RuntimeError("the request's resources are already released")
         resource = Resource(release, self._counters, gauge, amount)
         self._resources.append(resource)
         return resource
@@ -132,7 +132,7 @@ class RequestScope:
         for resource in reversed(resources):
             await resource.release()
 
-    async def __aenter__(self) -> RequestScope:
+    async def __aenter__(self) -> RequestResources:
         return self
 
     async def __aexit__(

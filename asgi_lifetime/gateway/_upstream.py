@@ -31,14 +31,14 @@ from typing import Literal
 import anyio
 import httpx
 
+from .._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from .._settings import LifetimeSettings
+from .._stats import Counters
 from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber
 from ._error_body import ErrorBody, read_error_body, replay
-from ._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from ._pool import UpstreamPool
 from ._prepare import Prepared
 from ._refold import match_overflow, match_rejected_role
-from ._settings import LifetimeSettings
-from ._stats import Counters
 from ._transport import GuardedTransport
 
 __all__ = ["AttemptEvent", "UpstreamClient"]

@@ -75,9 +75,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .._stats import Counters, LifetimeStats
 from ._access_log import public_url
 from ._bookkeeping import OUTCOMES, Outcome
-from ._stats import Counters, LifetimeStats
 
 if TYPE_CHECKING:
     from ._upstream import AttemptEvent

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from . import _json
+from .. import _json
 
 __all__ = [
     "Conversation",

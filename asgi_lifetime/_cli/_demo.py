@@ -28,14 +28,14 @@ import anyio
 import httpx
 import psutil
 
-from ._demo_upstream import create_demo_upstream
-from ._fingerprint import Fingerprint
-from ._prepare import Draft
-from ._serve import serve_in_thread
-from ._settings import GiB, KiB, LifetimeSettings, MiB
-from ._stats import LifetimeStats
-from ._upstream import AttemptEvent
-from .gateway import create_app
+from .._fingerprint import Fingerprint
+from .._settings import GiB, KiB, LifetimeSettings, MiB
+from .._stats import LifetimeStats
+from ..gateway import create_app
+from ..gateway._prepare import Draft
+from ..gateway._upstream import AttemptEvent
+from ..testing._serve import serve_in_thread
+from ..testing._upstream import create_demo_upstream
 
 __all__ = ["DESCRIPTION", "add_arguments", "main", "run"]
 

@@ -42,28 +42,26 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import httpx
 from starlette.types import Message, Receive, Send
 
-from ._exceptions import (
+from .._exceptions import (
     AdmissionRejected,
     ErrorShape,
     LifetimeError,
-    StarvationError,
     UpstreamError,
     UpstreamStalled,
+    UpstreamStarved,
     UpstreamTimeout,
 )
-from ._json import JSONDecodeFailure, loads
-from ._parse import too_costly
-from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, classify, sse_event
-from ._stats import Counters
+from .._stats import Counters
+from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
-__all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "Outcome", "RelayResult", "collect_text", "filter_headers", "relay"]
+__all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "Outcome", "RelayResult", "filter_headers", "relay"]
 
 logger = logging.getLogger(__name__)
 
@@ -375,7 +373,7 @@ class _Relay:
             next_response = await self._reissue(response, self.reissue)
             if next_response is not None:
                 return next_response
-        await self._fail(StarvationError(message))
+        await self._fail(UpstreamStarved(message))
         return None
 
     async def _reissue(
@@ -574,99 +572,3 @@ async def relay(
         error_shape=error_shape,
     )
     return await state.run(response, receive)
-
-
-async def collect_text(
-    response: httpx.Response,
-    *,
-    max_bytes: int = _COLLECT_LIMIT,
-    stall_timeout: float | None = None,
-) -> str:
-    """Read a whole upstream response and return its answer text; closes the response.
-
-    Accepts an SSE stream or a complete JSON object (chat completion, Anthropic message,
-    Responses object, Gemini response or array of them). Raises ``StarvationError`` if the
-    stream ended without a terminal event or produced no output (a natural stop with empty
-    text returns ``""``), ``UpstreamError`` for an error status, an upstream error event or
-    a body over ``max_bytes``, ``UpstreamStalled`` after ``stall_timeout`` seconds without data.
-    """
-    try:
-        sse = _is_sse(response) and response.status_code < 400
-        tracker = SSETracker(keep_text=True) if sse else None
-        body = bytearray()
-        received = 0
-        # aiter_bytes nests httpx's own aiter_raw generator, which cannot be closed from here if
-        # reading stops early; only decode when there is something to decode.
-        iterator = response.aiter_bytes() if _is_encoded(response) else response.aiter_raw()
-        finished = False
-        try:
-            while True:
-                finished = True  # an end, error or cancellation inside __anext__ ends the chain
-                with anyio.move_on_after(stall_timeout if stall_timeout is not None else float("inf")) as scope:
-                    try:
-                        chunk = await iterator.__anext__()
-                    except StopAsyncIteration:
-                        break
-                finished = scope.cancelled_caught
-                if scope.cancelled_caught:
-                    raise UpstreamStalled(f"the upstream sent no data for {stall_timeout:g} seconds")
-                received += len(chunk)
-                if received > max_bytes:
-                    raise UpstreamError(f"the upstream response exceeds {max_bytes} bytes", code="upstream_too_large")
-                if tracker is not None:
-                    tracker.feed(chunk)
-                else:
-                    body += chunk
-        except httpx.TransportError as exc:
-            raise UpstreamError(f"reading the upstream response failed ({type(exc).__name__})") from None
-        finally:
-            await stop_reading(response, iterator, finished=finished)
-
-        if response.status_code >= 400:
-            raise UpstreamError(_status_message(response.status_code, bytes(body)))
-        if tracker is not None:
-            if tracker.saw_error:
-                raise UpstreamError(tracker.error_message or "the upstream reported an error")
-            if tracker.starved:
-                if tracker.saw_terminal or not tracker.saw_content:
-                    raise StarvationError("the upstream produced no output")
-                raise StarvationError("the upstream stream ended without a terminal event")
-            return tracker.text
-        return _object_text(bytes(body))
-    finally:
-        await close_response(response)
-
-
-def _object_text(body: bytes) -> str:
-    if too_costly(body):
-        # Parsing would multiply memory (``[{},{},...]``): refused, as a request body of that shape is.
-        raise UpstreamError("the upstream response is too complex to parse", code="upstream_too_complex")
-    try:
-        document: Any = loads(body)
-    except JSONDecodeFailure:
-        raise UpstreamError("the upstream response is not valid JSON") from None
-    items = document if isinstance(document, list) else [document]
-    text: list[str] = []
-    content = natural = False
-    for item in items:
-        kind = classify("message", item)
-        if kind.error:
-            raise UpstreamError(kind.message or "the upstream reported an error")
-        content = content or kind.content
-        natural = natural or kind.natural_stop
-        text.append(kind.text)
-    # A complete object is its own terminal; with no output it must at least name a natural stop.
-    if not (content or natural):
-        raise StarvationError("the upstream produced no output")
-    return "".join(text)
-
-
-def _status_message(status: int, body: bytes) -> str:
-    message = ""
-    try:
-        document: Any = loads(body)
-    except JSONDecodeFailure:
-        document = None
-    if isinstance(document, dict):
-        message = classify("error", document).message
-    return f"the upstream returned HTTP {status}" + (f": {message}" if message else "")

@@ -18,7 +18,7 @@ changes. Sessions are pinned from admission until their response ends, so an act
 session's entry is never evicted under it::
 
     book = SessionBook(max_sessions=10_000, counters=counters, on_change=rederive)
-    async with RequestScope(counters) as scope:
+    async with RequestResources(counters) as scope:
         scope.add(book.pin(session_id))         # unpinned on every settlement path
         ...                                     # forward, stream the response
         await record_outcome(book, outcome)     # never raises
@@ -35,8 +35,8 @@ from typing import Final, Protocol, runtime_checkable
 import anyio
 from blake3 import blake3
 
-from ._fingerprint import Fingerprint
-from ._stats import Counters
+from .._fingerprint import Fingerprint
+from .._stats import Counters
 
 __all__ = [
     "OUTCOMES",
@@ -194,7 +194,7 @@ class SessionBook:
 
     ```python
     book = SessionBook(max_sessions=10_000, counters=counters, on_change=rederive)
-    unpin = book.pin("sess-1")                  # at admission; register with the RequestScope
+    unpin = book.pin("sess-1")                  # at admission; register with the RequestResources
     book.record(outcome)                        # at the end of the response
     unpin()                                     # idempotent
     ```

@@ -1,0 +1,64 @@
+"""The standalone gateway and its extension points.
+
+``create_app()`` returns a Starlette app running the whole flow: read, fingerprint, prepare,
+forward with retries, relay, bookkeep. It is configured by ``asgi_lifetime.LifetimeSettings``
+(the middleware's settings plus the upstream's) and extended by preparers, a refold factory,
+a bookkeeper and an attempt listener.
+
+Run it configured only by the environment:
+
+    ASGI_LIFETIME_UPSTREAM_URL=http://127.0.0.1:8000 uvicorn --factory asgi_lifetime.gateway:create_app
+
+Needs the ``gateway`` extra: ``pip install 'asgi-lifetime[gateway]'``.
+"""
+
+from ._access_log import AccessLog
+from ._app import create_app
+from ._auth import GatewayAuth
+from ._bookkeeping import Bookkeeper, Outcome, SessionBook, SessionEntry
+from ._metrics import GatewayMetrics
+from ._prepare import Draft, Prepared, Preparer
+from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
+from ._upstream import AttemptEvent, UpstreamClient
+
+__all__ = [
+    "AccessLog",
+    "AttemptEvent",
+    "Bookkeeper",
+    "Conversation",
+    "Draft",
+    "GatewayAuth",
+    "GatewayMetrics",
+    "Outcome",
+    "Prepared",
+    "Preparer",
+    "Refold",
+    "RemapRole",
+    "SessionBook",
+    "SessionEntry",
+    "UpstreamClient",
+    "create_app",
+    "default_refold",
+    "default_remap_role",
+]
+
+# Reprs, tracebacks and the API reference show the public path, not the private module.
+for _public in (
+    AccessLog,
+    AttemptEvent,
+    Bookkeeper,
+    Conversation,
+    Draft,
+    GatewayAuth,
+    GatewayMetrics,
+    Outcome,
+    Prepared,
+    SessionBook,
+    SessionEntry,
+    UpstreamClient,
+    create_app,
+    default_refold,
+    default_remap_role,
+):
+    _public.__module__ = __name__
+del _public
