@@ -32,7 +32,7 @@ from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
 from asgi_lifetime._settings import KiB, MiB
 from asgi_lifetime.testing._serve import serve_in_thread
 
-from .test_faults import eventually
+from .reliability.test_faults import eventually
 
 pytestmark = pytest.mark.anyio
 

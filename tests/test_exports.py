@@ -1,41 +1,111 @@
-"""The public API is what ``asgi_lifetime.__all__`` says, and nothing public is left out of it."""
+"""The public API, pinned: each public module's names, and the public path in every repr.
+
+Adding or removing a public name is a decision: this test changes with it, and so does the
+CHANGELOG (as httpx's ``test_exported_members`` does).
+"""
 
 from __future__ import annotations
 
 import types
 
+import pytest
+
 import asgi_lifetime
 import asgi_lifetime.gateway
 import asgi_lifetime.testing
 
+ROOT = [
+    "AdmissionRejected",
+    "AuthenticationError",
+    "BodyAborted",
+    "BodyIdleTimeout",
+    "BodyTimeout",
+    "BodyTooComplex",
+    "BodyTooLarge",
+    "Fingerprint",
+    "GiB",
+    "KiB",
+    "Lifetime",
+    "LifetimeError",
+    "LifetimeMiddleware",
+    "LifetimeSettings",
+    "LifetimeStats",
+    "MalformedBody",
+    "MiB",
+    "RequestError",
+    "RequestLifetime",
+    "RequestResources",
+    "Resource",
+    "UNPARSED",
+    "UnsupportedEncoding",
+    "UpstreamError",
+    "UpstreamStalled",
+    "UpstreamStarved",
+    "UpstreamTimeout",
+    "UpstreamUnreachable",
+    "__version__",
+    "fingerprint",
+    "text_comparable",
+    "wire_hash",
+]
+GATEWAY = [
+    "AccessLog",
+    "AttemptEvent",
+    "Bookkeeper",
+    "Conversation",
+    "Draft",
+    "GatewayAuth",
+    "GatewayMetrics",
+    "Outcome",
+    "Prepared",
+    "Preparer",
+    "Refold",
+    "RemapRole",
+    "SessionBook",
+    "SessionEntry",
+    "UpstreamClient",
+    "create_app",
+    "default_refold",
+    "default_remap_role",
+]
+TESTING = [
+    "DemoStats",
+    "create_demo_upstream",
+    "parse_behaviour",
+    "serve_in_thread",
+]
+MODULES = [(asgi_lifetime, ROOT), (asgi_lifetime.gateway, GATEWAY), (asgi_lifetime.testing, TESTING)]
 
-def test_all_is_sorted_and_every_name_exists() -> None:
-    assert asgi_lifetime.__all__ == sorted(asgi_lifetime.__all__)
-    for name in asgi_lifetime.__all__:
-        assert hasattr(asgi_lifetime, name), name
+
+@pytest.mark.parametrize(("module", "names"), MODULES, ids=lambda v: getattr(v, "__name__", ""))
+def test_exported_members(module: types.ModuleType, names: list[str]) -> None:
+    assert module.__all__ == names
+    for name in names:
+        assert hasattr(module, name), name
 
 
-def test_every_public_name_is_exported() -> None:
+@pytest.mark.parametrize(("module", "names"), MODULES, ids=lambda v: getattr(v, "__name__", ""))
+def test_nothing_public_is_left_out(module: types.ModuleType, names: list[str]) -> None:
     public = {
         name
-        for name, value in vars(asgi_lifetime).items()
+        for name, value in vars(module).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
-    assert public <= set(asgi_lifetime.__all__)
+    assert public <= set(names)
 
 
-def test_public_classes_and_functions_are_defined_in_the_package() -> None:
-    for name in asgi_lifetime.__all__:
-        value = getattr(asgi_lifetime, name)
+@pytest.mark.parametrize(("module", "names"), MODULES, ids=lambda v: getattr(v, "__name__", ""))
+def test_reprs_show_the_public_path(module: types.ModuleType, names: list[str]) -> None:
+    for name in names:
+        value = getattr(module, name)
         if isinstance(value, (type, types.FunctionType)):
-            assert value.__module__.startswith("asgi_lifetime"), (name, value.__module__)
+            assert value.__module__ == module.__name__, (name, value.__module__)
+            assert getattr(module, value.__qualname__) is value  # pickle finds it where the repr says
 
 
-def test_submodule_apis() -> None:
-    assert asgi_lifetime.gateway.__all__ == ["create_app"]
-    assert set(asgi_lifetime.testing.__all__) == {
-        "DemoStats",
-        "create_demo_upstream",
-        "parse_behaviour",
-        "serve_in_thread",
-    }
+def test_a_public_exception_pickles_by_its_public_path() -> None:
+    import pickle
+
+    error = asgi_lifetime.BodyTooLarge(limit=10)
+    assert repr(type(error)) == "<class 'asgi_lifetime.BodyTooLarge'>"
+    assert type(pickle.loads(pickle.dumps(error))) is asgi_lifetime.BodyTooLarge

@@ -8,6 +8,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from asgi_lifetime import _resources
 from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._stats import Counters, LifetimeStats
 

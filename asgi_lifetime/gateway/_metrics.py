@@ -57,20 +57,18 @@ run would be added to this one's totals)::
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, cast
+from typing import TYPE_CHECKING, Final
 
 import anyio.to_thread
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import values as _prometheus_values
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -80,6 +78,7 @@ from ._access_log import public_url
 from ._bookkeeping import OUTCOMES, Outcome
 
 if TYPE_CHECKING:
+    from ._multiprocess import Process
     from ._upstream import AttemptEvent
 
 __all__ = [
@@ -274,242 +273,6 @@ class _LiveStateCollector:
         yield from (inflight, down, attempts, failures)
 
 
-class _Mirror:
-    """Several workers: the live state as multiprocess ``Gauge`` / ``Counter`` objects."""
-
-    __slots__ = ("gauges", "totals", "upstream_inflight", "upstream_down", "upstream_attempts", "upstream_failures")
-
-    def __init__(self) -> None:
-        self.gauges = {
-            name: Gauge(PREFIX + name, doc, registry=None, multiprocess_mode="livesum") for name, _, doc in _GAUGES
-        }
-        self.totals = {name: Counter(PREFIX + name, doc, registry=None) for name, _, doc in _TOTALS}
-        name, doc = _UPSTREAM_INFLIGHT
-        self.upstream_inflight = Gauge(PREFIX + name, doc, ["upstream"], registry=None, multiprocess_mode="livesum")
-        name, doc = _UPSTREAM_DOWN
-        self.upstream_down = Gauge(PREFIX + name, doc, ["upstream"], registry=None, multiprocess_mode="livemax")
-        name, doc = _UPSTREAM_ATTEMPTS
-        self.upstream_attempts = Counter(PREFIX + name, doc, ["upstream"], registry=None)
-        name, doc = _UPSTREAM_FAILURES
-        self.upstream_failures = Counter(PREFIX + name, doc, ["upstream"], registry=None)
-
-
-class _Source:
-    """One ``GatewayMetrics``' live state, as the process-wide mirror sees it (no reference back)."""
-
-    __slots__ = ("counters", "describe", "synced", "upstreams", "__weakref__")
-
-    def __init__(self, counters: Counters, describe: Callable[[], list[dict[str, object]]]) -> None:
-        self.counters = counters
-        self.describe = describe
-        self.synced: dict[tuple[str, str], int] = {}
-        """The value of each total at the last copy; the mirror counters advance by the difference."""
-        self.upstreams: dict[str, _UpstreamView] = {}
-        """The last ``describe()`` that succeeded."""
-
-    def advance(self, counter: Counter, key: tuple[str, str], value: int) -> None:
-        delta = value - self.synced.get(key, 0)
-        if delta > 0:
-            counter.inc(delta)
-        self.synced[key] = value
-
-
-class _Process:
-    """The multiprocess state of this process: metric objects, the instances' sources, the sync thread."""
-
-    def __init__(self, directory: str, value_class: object) -> None:
-        self.directory = directory
-        self.value_class = value_class
-        self.labels = _UpstreamLabels()
-        self.metrics = _RequestMetrics(None)
-        self.mirror = _Mirror()
-        self.sources: set[_Source] = set()
-        self.seen_upstreams: set[str] = set()
-        self.interval = float("inf")
-        self.lock = threading.RLock()  # RLock: a finalizer may run retire() from a GC inside sync()
-        self.wake = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.thread_pid = 0
-
-    def add(self, source: _Source, interval: float) -> None:
-        with self.lock:
-            self.sources.add(source)
-            if interval < self.interval:
-                self.interval = interval
-                self.wake.set()  # a sleeping thread picks the shorter interval up
-        self.ensure_thread()
-
-    def retire(self, source: _Source) -> None:
-        """Final copy of ``source``'s totals; its gauges leave the sums."""
-        with self.lock:
-            if source not in self.sources:
-                return
-            self._copy_source(source)
-            self.sources.discard(source)
-            self.sync()
-            if not self.sources:
-                self.wake.set()
-
-    def ensure_thread(self) -> None:
-        thread = self.thread
-        if thread is not None and thread.is_alive() and self.thread_pid == os.getpid():
-            return
-        with self.lock:
-            thread = self.thread
-            if not self.sources or (thread is not None and thread.is_alive() and self.thread_pid == os.getpid()):
-                return
-            self.thread = threading.Thread(target=self._run, name="asgi_lifetime.metrics-sync", daemon=True)
-            self.thread_pid = os.getpid()
-            self.thread.start()
-
-    def _run(self) -> None:
-        me = threading.current_thread()
-        while True:
-            self.wake.wait(self.interval)
-            self.wake.clear()
-            with self.lock:
-                if self.thread is not me or not self.sources:
-                    if self.thread is me:
-                        self.thread = None
-                    return
-            try:
-                self.sync()
-            except Exception:
-                logger.exception("copying the gateway counters to the multiprocess metrics failed")
-
-    def sync(self) -> None:
-        """Copy every source's live state into the mirror."""
-        with self.lock:
-            gauges = dict.fromkeys(self.mirror.gauges, 0)
-            inflight: dict[str, int] = {}
-            down: dict[str, int] = {}
-            for source in list(self.sources):
-                stats = source.counters.snapshot()
-                for name, field, _ in _GAUGES:
-                    gauges[name] += getattr(stats, field)
-                self._copy_source(source, stats)
-                for label, view in source.upstreams.items():
-                    inflight[label] = inflight.get(label, 0) + view.inflight
-                    down[label] = max(down.get(label, 0), 1 if view.down else 0)
-            for name, value in gauges.items():
-                self.mirror.gauges[name].set(value)
-            self.seen_upstreams.update(inflight)
-            for label in self.seen_upstreams:  # an upstream no instance reports any more goes to 0
-                self.mirror.upstream_inflight.labels(upstream=label).set(inflight.get(label, 0))
-                self.mirror.upstream_down.labels(upstream=label).set(down.get(label, 0))
-
-    def _copy_source(self, source: _Source, stats: LifetimeStats | None = None) -> None:
-        if stats is None:
-            stats = source.counters.snapshot()
-        for name, field, _ in _TOTALS:
-            source.advance(self.mirror.totals[name], (name, ""), getattr(stats, field))
-        try:
-            source.upstreams = _upstream_views(source.describe, self.labels)
-        except Exception:
-            logger.debug("describe_upstreams failed; keeping its last answer", exc_info=True)
-        mirror = self.mirror
-        for label, view in source.upstreams.items():
-            source.advance(mirror.upstream_attempts.labels(upstream=label), ("upstream_attempts", label), view.attempts)
-            source.advance(mirror.upstream_failures.labels(upstream=label), ("upstream_failures", label), view.failures)
-
-    def after_fork(self) -> None:
-        # The thread did not survive the fork and the lock may be held by it: start over.
-        self.lock = threading.RLock()
-        self.wake = threading.Event()
-        self.thread = None
-
-
-_process_lock = threading.Lock()
-_process: _Process | None = None
-
-
-def _process_for(directory: str) -> _Process:
-    """This process's multiprocess state for ``directory`` and the current prometheus value storage."""
-    global _process
-    value_class = _prometheus_values.ValueClass
-    with _process_lock:
-        if _process is None or _process.directory != directory or _process.value_class is not value_class:
-            _process = _Process(directory, value_class)
-        return _process
-
-
-def _after_fork_in_child() -> None:
-    global _process_lock
-    _process_lock = threading.Lock()
-    if _process is not None:
-        _process.after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # e.g. PermissionError: it exists, as another user
-    return True
-
-
-def _remove_dead_processes(directory: str) -> None:
-    """Drop the ``live*`` gauge files of workers that died without cleaning up (POSIX only)."""
-    if os.name != "posix":
-        return  # os.kill(pid, 0) would terminate the process on Windows
-    own = os.getpid()
-    pids: set[int] = set()
-    for path in glob.glob(os.path.join(glob.escape(directory), "gauge_live*_*.db")):
-        suffix = os.path.basename(path)[: -len(".db")].rsplit("_", 1)[-1]
-        if suffix.isdigit() and int(suffix) != own:
-            pids.add(int(suffix))
-    for pid in pids:
-        if not _process_exists(pid):
-            try:
-                mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
-            except OSError:
-                pass  # another worker removed them first
-
-
-class _SharedFilesCollector(MultiProcessCollector):
-    """prometheus_client's collector, minus the files another process is creating this instant.
-
-    A worker creates a metric's file when it first writes to it (its sync thread does, at any
-    time): the file exists, empty, until that worker sizes it. Reading it then raised
-    ``struct.error`` and the whole scrape failed. An empty file holds no values yet: skip it.
-    A file removed between listing and reading (a dead worker's, by another worker) is retried.
-    """
-
-    def __init__(self, registry: CollectorRegistry, directory: str) -> None:
-        super().__init__(registry, path=directory)  # type: ignore[no-untyped-call]
-        self._directory = directory
-
-    def collect(self) -> Iterable[Metric]:
-        try:
-            return self._merge()
-        except FileNotFoundError:  # removed after it was listed: list again
-            return self._merge()
-
-    def _merge(self) -> Iterable[Metric]:
-        files = [path for path in glob.glob(os.path.join(glob.escape(self._directory), "*.db")) if _sized(path)]
-        return cast(Iterable[Metric], self.merge(files, accumulate=True))  # type: ignore[no-untyped-call]
-
-
-def _sized(path: str) -> bool:
-    try:
-        return os.path.getsize(path) > 0
-    except OSError:
-        return False
-
-
-def _retire(process: _Process, source: _Source) -> None:
-    try:
-        process.retire(source)
-    except Exception:
-        logger.debug("final copy of the gateway counters failed", exc_info=True)
-
-
 class GatewayMetrics:
     """Prometheus metrics for the gateway; a bookkeeper and an attempt listener.
 
@@ -542,7 +305,7 @@ class GatewayMetrics:
         """The registry ``render`` exposes."""
         directory = os.environ.get(MULTIPROC_DIR_ENV)
         if directory is None:
-            self._process: _Process | None = None
+            self._process: Process | None = None
             self._directory = ""
             self._labels = _UpstreamLabels()
             self._metrics = _RequestMetrics(self.registry)
@@ -555,16 +318,18 @@ class GatewayMetrics:
                 f"{MULTIPROC_DIR_ENV}={directory!r} was set after prometheus_client was imported, which then "
                 "chose single-process storage; set it in the environment before the process starts"
             )
-        process = _process_for(directory)
+        from . import _multiprocess  # only this mode needs it (and registers its fork hook)
+
+        process = _multiprocess.process_for(directory)
         self._process = process
         self._directory = directory
         self._labels = process.labels
         self._metrics = process.metrics
-        _SharedFilesCollector(self.registry, directory)
-        source = _Source(counters, describe_upstreams)
+        _multiprocess.SharedFilesCollector(self.registry, directory)
+        source = _multiprocess.Source(counters, describe_upstreams)
         process.add(source, float(sync_interval))
         # Final totals and gauges out at close(), garbage collection or interpreter exit.
-        self._finalizer = weakref.finalize(self, _retire, process, source)
+        self._finalizer = weakref.finalize(self, _multiprocess.retire, process, source)
 
     @property
     def multiprocess(self) -> bool:
@@ -602,7 +367,7 @@ class GatewayMetrics:
         if self._process is not None:
             self._process.ensure_thread()
             self._process.sync()
-            _remove_dead_processes(self._directory)
+            self._process.remove_dead()
         return generate_latest(self.registry), CONTENT_TYPE
 
     def close(self) -> None:

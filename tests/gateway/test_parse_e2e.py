@@ -35,7 +35,7 @@ from asgi_lifetime.gateway._prepare import Draft, Preparer
 from asgi_lifetime.testing._serve import serve_in_thread
 from benchmarks.bodies import make_body
 
-from .test_faults import FAST, PATH, assert_idle, error_code
+from ..reliability.test_faults import FAST, PATH, assert_idle, error_code
 
 pytestmark = pytest.mark.anyio
 

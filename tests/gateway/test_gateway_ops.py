@@ -28,7 +28,8 @@ from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._shutdown import request_shutdown, reset_shutdown
 from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime.testing._upstream import create_demo_upstream
-from tests.test_faults import assert_idle, running
+
+from ..reliability.test_faults import assert_idle, running
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 

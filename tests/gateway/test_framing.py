@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ..reliability.test_faults import PATH, assert_idle, raw_client, request_bytes, running
 from ._raw_upstream import CLOSE, RawRequest, Script, chunked, raw_upstream, response
-from .test_faults import PATH, assert_idle, raw_client, request_bytes, running
 
 pytestmark = pytest.mark.anyio
 

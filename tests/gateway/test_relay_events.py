@@ -36,7 +36,7 @@ from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway._relay import EVENT_HOLD_LIMIT, relay
 from asgi_lifetime.gateway._sse import MAX_BUFFER, SSEEvent, SSEParser
 
-from .test_faults import Stack, assert_idle, running
+from ..reliability.test_faults import Stack, assert_idle, running
 from .test_relay import SSE_HEADERS, Client, Reissuer, Upstream, upstream_response
 
 Event = tuple[str | None, Any]  # (the event: field or None, the data: a JSON payload or "[DONE]")

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 def load_soak() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
     spec = importlib.util.spec_from_file_location("asgi_lifetime_soak_script", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -15,8 +15,8 @@ from starlette.types import Receive, Scope, Send
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway._auth import REDACTED, GatewayAuth, KeyScrubber
 
+from ..reliability.test_faults import GAUGES, PATH, Stack, busy_connections, eventually, running
 from ._raw_upstream import RawRequest, Script, raw_upstream, response
-from .test_faults import GAUGES, PATH, Stack, busy_connections, eventually, running
 
 KEY = "sk-upstream-SECRET/0123+456789"  # '/' and '+' so its JSON and percent spellings differ
 SPELLINGS = [KEY, KEY.replace("/", "\\/"), quote(KEY, safe=""), "".join(f"\\u{ord(c):04x}" for c in KEY)]

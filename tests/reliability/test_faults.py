@@ -830,6 +830,6 @@ async def test_gzip_response_passes_through_encoded(shared: Stack) -> None:
 
 def test_reliability_doc_lists_every_cell() -> None:
     """docs/reliability.md is written from these tables: every cell has its row."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "reliability.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
     missing = [name for name in CELLS if f"| `{name}` |" not in doc]
     assert missing == []

@@ -29,8 +29,8 @@ from asgi_lifetime._exceptions import (
     UpstreamUnreachable,
 )
 
+from ..reliability.test_faults import running
 from ._raw_upstream import CLOSE, HOLD, RawRequest, RawUpstream, Script, raw_upstream, response
-from .test_faults import running
 
 if TYPE_CHECKING:
     import openai

@@ -30,7 +30,7 @@ from asgi_lifetime._settings import ENV_PREFIX, SETTINGS
 from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime.testing._upstream import create_demo_upstream
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "operators.md"
 SECRET = "sk-do-not-print-9f3a1c"
 
 # One valid, non-default flag value per setting, and what it parses to.

@@ -22,8 +22,8 @@ import pytest
 from asgi_lifetime.gateway._relay import relay
 from asgi_lifetime.gateway._transport import GuardedTransport, _leftover, stop_reading
 
+from ..reliability.test_faults import assert_idle, running
 from ._raw_upstream import HOLD, RawRequest, Script, chunked, raw_upstream, response
-from .test_faults import assert_idle, running
 
 pytestmark = pytest.mark.anyio
 

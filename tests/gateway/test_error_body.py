@@ -18,8 +18,8 @@ from asgi_lifetime._settings import KiB, MiB
 from asgi_lifetime.gateway._auth import KeyScrubber
 from asgi_lifetime.gateway._error_body import BoundedDecoder, ErrorBody, decoder_for, read_error_body, replay
 
+from ..reliability.test_faults import PATH, assert_idle, raw_client, request_bytes, running
 from ._raw_upstream import HOLD, RawRequest, Script, raw_upstream, response
-from .test_faults import PATH, assert_idle, raw_client, request_bytes, running
 
 ERROR = b'{"error": {"type": "invalid_request_error", "message": "' + b"m" * 300 + b'"}}'
 

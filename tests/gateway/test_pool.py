@@ -15,7 +15,7 @@ import pytest
 from asgi_lifetime.gateway._pool import UpstreamPool, UpstreamState
 
 URLS = ("http://a:8000", "http://b:8000", "http://c:8000", "http://d:8000")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeClock:

@@ -25,8 +25,18 @@ from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._relay import relay
 from asgi_lifetime.testing._serve import serve_in_thread
 
-from . import sdk_upstream as up
-from .test_sdk import CLAUDE_HELLO, HELLO, SDK_TIMEOUT, SETTINGS, STALL_SECONDS, Served, _closing, serving, settle
+from ..gateway import sdk_upstream as up
+from ..gateway.test_sdk import (
+    CLAUDE_HELLO,
+    HELLO,
+    SDK_TIMEOUT,
+    SETTINGS,
+    STALL_SECONDS,
+    Served,
+    _closing,
+    serving,
+    settle,
+)
 
 SESSION = "attack-sdk-session"
 

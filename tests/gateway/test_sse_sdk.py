@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from .test_faults import Stack, running
+from ..reliability.test_faults import Stack, running
 from .test_relay_events import STREAMS, RawUpstream, Script, cut_offset, image_tool_stream, raw_upstream, render
 
 

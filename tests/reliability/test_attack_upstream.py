@@ -18,7 +18,7 @@ import pytest
 
 from asgi_lifetime.gateway._sse import SSEParser
 
-from ._raw_upstream import RawRequest, Script, raw_upstream
+from ..gateway._raw_upstream import RawRequest, Script, raw_upstream
 from .test_faults import PATH, assert_idle, running
 
 pytestmark = pytest.mark.anyio

@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 
 from asgi_lifetime._fingerprint import Fingerprint
 from asgi_lifetime._stats import Counters
-from asgi_lifetime.gateway import _metrics
+from asgi_lifetime.gateway import _metrics, _multiprocess
 from asgi_lifetime.gateway._bookkeeping import Bookkeeper, Outcome, record_outcome
 from asgi_lifetime.gateway._metrics import (
     CONTENT_TYPE,
@@ -311,7 +311,7 @@ def multiproc_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
     monkeypatch.setenv(MULTIPROC_DIR_ENV, str(directory))
     monkeypatch.setattr(prometheus_client.values, "ValueClass", prometheus_client.values.MultiProcessValue())  # type: ignore[no-untyped-call]
     yield directory
-    process = _metrics._process
+    process = _multiprocess._process
     if process is not None:
         process.sync()
         if process.thread is not None:

@@ -1,0 +1,280 @@
+"""Several workers: the gateway's live state mirrored into prometheus_client's multiprocess files.
+
+Imported only when ``PROMETHEUS_MULTIPROC_DIR`` is set (``GatewayMetrics`` decides); the module
+docstring of ``_metrics`` explains the mode. Per process: one ``Process`` (metric objects, the
+``Source`` of each ``GatewayMetrics`` instance, the sync thread), rebuilt after a fork.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import cast
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import values as _prometheus_values
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from .._stats import Counters, LifetimeStats
+from ._metrics import (
+    _GAUGES,
+    _TOTALS,
+    _UPSTREAM_ATTEMPTS,
+    _UPSTREAM_DOWN,
+    _UPSTREAM_FAILURES,
+    _UPSTREAM_INFLIGHT,
+    PREFIX,
+    _RequestMetrics,
+    _upstream_views,
+    _UpstreamLabels,
+    _UpstreamView,
+)
+
+__all__ = ["Process", "SharedFilesCollector", "Source", "process_for", "remove_dead_processes", "retire"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Mirror:
+    """Several workers: the live state as multiprocess ``Gauge`` / ``Counter`` objects."""
+
+    __slots__ = ("gauges", "totals", "upstream_inflight", "upstream_down", "upstream_attempts", "upstream_failures")
+
+    def __init__(self) -> None:
+        self.gauges = {
+            name: Gauge(PREFIX + name, doc, registry=None, multiprocess_mode="livesum") for name, _, doc in _GAUGES
+        }
+        self.totals = {name: Counter(PREFIX + name, doc, registry=None) for name, _, doc in _TOTALS}
+        name, doc = _UPSTREAM_INFLIGHT
+        self.upstream_inflight = Gauge(PREFIX + name, doc, ["upstream"], registry=None, multiprocess_mode="livesum")
+        name, doc = _UPSTREAM_DOWN
+        self.upstream_down = Gauge(PREFIX + name, doc, ["upstream"], registry=None, multiprocess_mode="livemax")
+        name, doc = _UPSTREAM_ATTEMPTS
+        self.upstream_attempts = Counter(PREFIX + name, doc, ["upstream"], registry=None)
+        name, doc = _UPSTREAM_FAILURES
+        self.upstream_failures = Counter(PREFIX + name, doc, ["upstream"], registry=None)
+
+
+class Source:
+    """One ``GatewayMetrics``' live state, as the process-wide mirror sees it (no reference back)."""
+
+    __slots__ = ("counters", "describe", "synced", "upstreams", "__weakref__")
+
+    def __init__(self, counters: Counters, describe: Callable[[], list[dict[str, object]]]) -> None:
+        self.counters = counters
+        self.describe = describe
+        self.synced: dict[tuple[str, str], int] = {}
+        """The value of each total at the last copy; the mirror counters advance by the difference."""
+        self.upstreams: dict[str, _UpstreamView] = {}
+        """The last ``describe()`` that succeeded."""
+
+    def advance(self, counter: Counter, key: tuple[str, str], value: int) -> None:
+        delta = value - self.synced.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self.synced[key] = value
+
+
+class Process:
+    """The multiprocess state of this process: metric objects, the instances' sources, the sync thread."""
+
+    def __init__(self, directory: str, value_class: object) -> None:
+        self.directory = directory
+        self.value_class = value_class
+        self.labels = _UpstreamLabels()
+        self.metrics = _RequestMetrics(None)
+        self.mirror = _Mirror()
+        self.sources: set[Source] = set()
+        self.seen_upstreams: set[str] = set()
+        self.interval = float("inf")
+        self.lock = threading.RLock()  # RLock: a finalizer may run retire() from a GC inside sync()
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.thread_pid = 0
+
+    def add(self, source: Source, interval: float) -> None:
+        with self.lock:
+            self.sources.add(source)
+            if interval < self.interval:
+                self.interval = interval
+                self.wake.set()  # a sleeping thread picks the shorter interval up
+        self.ensure_thread()
+
+    def retire(self, source: Source) -> None:
+        """Final copy of ``source``'s totals; its gauges leave the sums."""
+        with self.lock:
+            if source not in self.sources:
+                return
+            self._copy_source(source)
+            self.sources.discard(source)
+            self.sync()
+            if not self.sources:
+                self.wake.set()
+
+    def ensure_thread(self) -> None:
+        thread = self.thread
+        if thread is not None and thread.is_alive() and self.thread_pid == os.getpid():
+            return
+        with self.lock:
+            thread = self.thread
+            if not self.sources or (thread is not None and thread.is_alive() and self.thread_pid == os.getpid()):
+                return
+            self.thread = threading.Thread(target=self._run, name="asgi_lifetime.metrics-sync", daemon=True)
+            self.thread_pid = os.getpid()
+            self.thread.start()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while True:
+            self.wake.wait(self.interval)
+            self.wake.clear()
+            with self.lock:
+                if self.thread is not me or not self.sources:
+                    if self.thread is me:
+                        self.thread = None
+                    return
+            try:
+                self.sync()
+            except Exception:
+                logger.exception("copying the gateway counters to the multiprocess metrics failed")
+
+    def sync(self) -> None:
+        """Copy every source's live state into the mirror."""
+        with self.lock:
+            gauges = dict.fromkeys(self.mirror.gauges, 0)
+            inflight: dict[str, int] = {}
+            down: dict[str, int] = {}
+            for source in list(self.sources):
+                stats = source.counters.snapshot()
+                for name, field, _ in _GAUGES:
+                    gauges[name] += getattr(stats, field)
+                self._copy_source(source, stats)
+                for label, view in source.upstreams.items():
+                    inflight[label] = inflight.get(label, 0) + view.inflight
+                    down[label] = max(down.get(label, 0), 1 if view.down else 0)
+            for name, value in gauges.items():
+                self.mirror.gauges[name].set(value)
+            self.seen_upstreams.update(inflight)
+            for label in self.seen_upstreams:  # an upstream no instance reports any more goes to 0
+                self.mirror.upstream_inflight.labels(upstream=label).set(inflight.get(label, 0))
+                self.mirror.upstream_down.labels(upstream=label).set(down.get(label, 0))
+
+    def _copy_source(self, source: Source, stats: LifetimeStats | None = None) -> None:
+        if stats is None:
+            stats = source.counters.snapshot()
+        for name, field, _ in _TOTALS:
+            source.advance(self.mirror.totals[name], (name, ""), getattr(stats, field))
+        try:
+            source.upstreams = _upstream_views(source.describe, self.labels)
+        except Exception:
+            logger.debug("describe_upstreams failed; keeping its last answer", exc_info=True)
+        mirror = self.mirror
+        for label, view in source.upstreams.items():
+            source.advance(mirror.upstream_attempts.labels(upstream=label), ("upstream_attempts", label), view.attempts)
+            source.advance(mirror.upstream_failures.labels(upstream=label), ("upstream_failures", label), view.failures)
+
+    def remove_dead(self) -> None:
+        """Before a render: drop what workers that died without cleaning up left in the gauges."""
+        remove_dead_processes(self.directory)
+
+    def after_fork(self) -> None:
+        # The thread did not survive the fork and the lock may be held by it: start over.
+        self.lock = threading.RLock()
+        self.wake = threading.Event()
+        self.thread = None
+
+
+_process_lock = threading.Lock()
+_process: Process | None = None
+_fork_hook = False
+
+
+def process_for(directory: str) -> Process:
+    """This process's multiprocess state for ``directory`` and the current prometheus value storage."""
+    global _process, _fork_hook
+    value_class = _prometheus_values.ValueClass
+    with _process_lock:
+        if not _fork_hook and hasattr(os, "register_at_fork"):
+            # Registered on first use, not at import: importing the package changes nothing process-wide.
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook = True
+        if _process is None or _process.directory != directory or _process.value_class is not value_class:
+            _process = Process(directory, value_class)
+        return _process
+
+
+def _after_fork_in_child() -> None:
+    global _process_lock
+    _process_lock = threading.Lock()
+    if _process is not None:
+        _process.after_fork()
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # e.g. PermissionError: it exists, as another user
+    return True
+
+
+def remove_dead_processes(directory: str) -> None:
+    """Drop the ``live*`` gauge files of workers that died without cleaning up (POSIX only)."""
+    if os.name != "posix":
+        return  # os.kill(pid, 0) would terminate the process on Windows
+    own = os.getpid()
+    pids: set[int] = set()
+    for path in glob.glob(os.path.join(glob.escape(directory), "gauge_live*_*.db")):
+        suffix = os.path.basename(path)[: -len(".db")].rsplit("_", 1)[-1]
+        if suffix.isdigit() and int(suffix) != own:
+            pids.add(int(suffix))
+    for pid in pids:
+        if not _process_exists(pid):
+            try:
+                mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+            except OSError:
+                pass  # another worker removed them first
+
+
+class SharedFilesCollector(MultiProcessCollector):
+    """prometheus_client's collector, minus the files another process is creating this instant.
+
+    A worker creates a metric's file when it first writes to it (its sync thread does, at any
+    time): the file exists, empty, until that worker sizes it. Reading it then raised
+    ``struct.error`` and the whole scrape failed. An empty file holds no values yet: skip it.
+    A file removed between listing and reading (a dead worker's, by another worker) is retried.
+    """
+
+    def __init__(self, registry: CollectorRegistry, directory: str) -> None:
+        super().__init__(registry, path=directory)  # type: ignore[no-untyped-call]
+        self._directory = directory
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            return self._merge()
+        except FileNotFoundError:  # removed after it was listed: list again
+            return self._merge()
+
+    def _merge(self) -> Iterable[Metric]:
+        files = [path for path in glob.glob(os.path.join(glob.escape(self._directory), "*.db")) if _sized(path)]
+        return cast(Iterable[Metric], self.merge(files, accumulate=True))  # type: ignore[no-untyped-call]
+
+
+def _sized(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
+
+
+def retire(process: Process, source: Source) -> None:
+    try:
+        process.retire(source)
+    except Exception:
+        logger.debug("final copy of the gateway counters failed", exc_info=True)

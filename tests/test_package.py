@@ -1,0 +1,150 @@
+"""Install and import what you use: the core needs anyio, blake3, msgspec and starlette only.
+
+Each check runs in a fresh interpreter (this one has imported everything already).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+EXTRAS = ("httpx", "httpcore", "h11", "prometheus_client", "rich", "psutil", "uvicorn")
+
+# Run first in the child: record every process-wide hook the package registers from then on
+# (the standard library registers some of its own when first imported: random, threading).
+HOOKS = """
+import atexit, os, signal, sys, threading
+hooks = []
+def spy(name, real):
+    def wrapper(*args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.partition(".")[0] == "asgi_lifetime":
+            hooks.append(f"{caller}: {name}")
+        return real(*args, **kwargs)
+    return wrapper
+os.register_at_fork = spy("os.register_at_fork", os.register_at_fork)
+atexit.register = spy("atexit.register", atexit.register)
+signal.signal = spy("signal.signal", signal.signal)
+sys.addaudithook = spy("sys.addaudithook", sys.addaudithook)
+excepthooks = (sys.excepthook, threading.excepthook)
+"""
+
+# Makes the extras' modules unimportable, as in an environment that installed the core only.
+BLOCK = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {EXTRAS!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def child_report(code: str) -> dict[str, object]:
+    result = run(HOOKS + textwrap.dedent(code))
+    assert result.returncode == 0, result.stderr
+    report: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
+@pytest.mark.parametrize("module", ["asgi_lifetime", "asgi_lifetime.gateway", "asgi_lifetime.testing"])
+def test_importing_registers_no_process_hooks(module: str) -> None:
+    report = child_report(f"""
+        import json, sys, threading
+        import {module}
+        print(json.dumps({{"hooks": hooks, "excepthooks": (sys.excepthook, threading.excepthook) == excepthooks}}))
+    """)
+    assert report == {"hooks": [], "excepthooks": True}
+
+
+def test_the_core_imports_none_of_the_extras() -> None:
+    report = child_report(f"""
+        import json, sys
+        import asgi_lifetime
+        print(json.dumps(sorted(m for m in sys.modules if m.partition(".")[0] in {EXTRAS!r})))
+    """)
+    assert report == []  # type: ignore[comparison-overlap]
+
+
+def test_the_middleware_works_without_the_extras() -> None:
+    # A Starlette app behind the middleware, called over ASGI, with every extra unimportable.
+    result = run(
+        BLOCK
+        + """
+import anyio
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
+
+async def endpoint(request):
+    lifetime = request.state.lifetime
+    return PlainTextResponse(f"{lifetime.fingerprint.size} {lifetime.fingerprint.text_comparable}")
+
+app = LifetimeMiddleware(Starlette(routes=[Route("/v1/x", endpoint, methods=["POST"])]), settings=LifetimeSettings())
+
+async def main():
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    sent = []
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "method": "POST", "path": "/v1/x", "raw_path": b"/v1/x", "root_path": "",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+             "scheme": "http", "server": ("t", 80), "client": ("c", 1), "asgi": {"version": "3.0"}}
+    await app(scope, receive, send)
+    print(sent[0]["status"], len(body), sent[1]["body"].decode())
+
+anyio.run(main)
+"""
+    )
+    assert result.returncode == 0, result.stderr
+    status, size, answer = result.stdout.split(maxsplit=2)
+    assert (status, answer.split()) == ("200", [size, "True"])  # fingerprinted: size and verdict
+
+
+@pytest.mark.parametrize(
+    ("blocked", "argv", "extra"),
+    [
+        (EXTRAS, ["serve"], "cli"),
+        (EXTRAS, ["settings"], "cli"),
+        (("rich", "psutil"), ["demo"], "demo"),
+    ],
+)
+def test_the_command_without_its_extra_says_what_to_install(
+    blocked: tuple[str, ...], argv: list[str], extra: str
+) -> None:
+    result = run(
+        BLOCK.replace(repr(EXTRAS), repr(blocked))
+        + f"""
+from asgi_lifetime._cli import main
+raise SystemExit(main({argv!r}))
+"""
+    )
+    assert result.returncode == 1, result.stderr
+    assert f"pip install 'asgi-lifetime[{extra}]'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_command_without_the_demo_extra_still_reports_settings() -> None:
+    result = run(
+        BLOCK.replace(repr(EXTRAS), repr(("rich", "psutil")))
+        + """
+from asgi_lifetime._cli import main
+raise SystemExit(main(["settings"]))
+"""
+    )
+    assert result.returncode == 0, result.stderr
+    assert "MAX_BODY_BYTES" in result.stdout
