@@ -27,6 +27,7 @@ from ._exceptions import (
 )
 from ._fingerprint import UNPARSED, Fingerprint, fingerprint, text_comparable, wire_hash
 from ._middleware import Lifetime, LifetimeMiddleware, RequestLifetime
+from ._publish import publish as _publish
 from ._resources import RequestResources, Resource
 from ._settings import GiB, KiB, LifetimeSettings, MiB
 from ._stats import LifetimeStats
@@ -68,8 +69,9 @@ __all__ = [
     "wire_hash",
 ]
 
-# Reprs, tracebacks and the API reference show the public path, not the private module.
-for _public in (
+# Reprs, tracebacks, pickles and the API reference show the public path, not the private module.
+_publish(
+    __name__,
     AdmissionRejected,
     AuthenticationError,
     BodyAborted,
@@ -97,6 +99,4 @@ for _public in (
     fingerprint,
     text_comparable,
     wire_hash,
-):
-    _public.__module__ = __name__
-del _public
+)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from blake3 import blake3
@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _json
 from ._admission import Admission
+from ._asgi import is_json, list_field, route_path, send_error
 from ._body import parse_content_length, read_body
 from ._exceptions import (
     BodyAborted,
@@ -19,8 +20,6 @@ from ._exceptions import (
     BodyTimeout,
     BodyTooLarge,
     LifetimeError,
-    MalformedBody,
-    error_shape,
 )
 from ._fingerprint import Fingerprint, fingerprint
 from ._parse import offload, parse_body
@@ -28,7 +27,7 @@ from ._resources import RequestResources, Resource
 from ._settings import LifetimeSettings
 from ._stats import Counters, LifetimeStats
 
-__all__ = ["Lifetime", "LifetimeMiddleware", "RequestLifetime", "route_path", "send_error"]
+__all__ = ["Lifetime", "LifetimeMiddleware", "RequestLifetime"]
 
 logger = logging.getLogger(__name__)
 
@@ -257,8 +256,8 @@ class LifetimeMiddleware:
         length = parse_content_length(headers)
         if length is not None and length > settings.max_body_bytes:
             raise BodyTooLarge(settings.max_body_bytes)
-        encoding = _field(headers, b"content-encoding")
-        json_body = _is_json(headers)
+        encoding = list_field(headers, b"content-encoding")
+        json_body = is_json(headers)
 
         started = time.monotonic()
         # A slot, but no bytes yet: a declared Content-Length costs budget only as it is sent.
@@ -314,32 +313,6 @@ class LifetimeMiddleware:
         return inner_scope, _Replay(raw, hold, receive)
 
 
-def _field(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
-    """A list-valued header as one value, lowercased: its field lines joined with ", " (RFC 9110 5.3),
-    empty lines left out; ``None`` when no line has that name.
-
-    Reading only the first line would let a second one (``Content-Encoding:`` then ``gzip``)
-    reach whoever reads them all, the app behind or the upstream, describing the body otherwise.
-    """
-    values = [value.decode("latin-1").strip().lower() for key, value in headers if key == name]
-    if not values:
-        return None
-    return ", ".join(value for value in values if value)
-
-
-def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether the body is taken for JSON: ``Content-Type`` absent or naming JSON.
-
-    Content-Type is a single value: several different field lines are refused (400), since the
-    gateway would judge by one (skip the parse and every preparer for ``text/plain``) while the
-    upstream may read another (``application/json``).
-    """
-    types = {value.decode("latin-1").strip().lower() for key, value in headers if key == b"content-type"}
-    if len(types) > 1:
-        raise MalformedBody("conflicting Content-Type headers", code="conflicting_content_type")
-    return not types or "json" in types.pop()
-
-
 def _count(counters: Counters, exc: LifetimeError) -> None:
     if isinstance(exc, BodyAborted):
         counters.aborted += 1
@@ -347,19 +320,3 @@ def _count(counters: Counters, exc: LifetimeError) -> None:
         counters.too_large += 1
     elif isinstance(exc, (BodyIdleTimeout, BodyTimeout)):
         counters.timed_out += 1
-
-
-def route_path(scope: Scope) -> str:
-    """The request path relative to where the app is mounted (``root_path`` removed)."""
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
-
-
-async def send_error(
-    scope: Scope, send: Send, exc: LifetimeError, *, extra_headers: Sequence[tuple[bytes, bytes]] = ()
-) -> None:
-    """Send ``exc`` as a complete JSON error response, in the shape the client of ``scope`` parses."""
-    start, body = exc.asgi_response(extra_headers, shape=error_shape(scope["path"], scope["headers"]))
-    await send(start)
-    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,8 +1,8 @@
-"""Per-request resource scope (RAII).
+"""Per-request resources (RAII).
 
 Everything a request acquires (its admission, a session pin, the upstream response,
 retained input bytes, anything a preparer registers) is registered with the request's
-``RequestResources``. Closing the scope releases what is still held, last acquired first,
+``RequestResources``. Closing it releases what is still held, last acquired first,
 exactly once, and it is closed the moment the request settles: on success, error,
 timeout, disconnect and cancellation alike. Nothing waits for process shutdown.
 """
@@ -33,7 +33,15 @@ class Resource:
 
     __slots__ = ("_release", "_counters", "_gauge", "_amount")
 
-    def __init__(self, release: Callable[[], object] | None, counters: Counters, gauge: str, amount: int) -> None:
+    def __init__(
+        self,
+        release: Callable[[], object] | None,
+        counters: Counters | None = None,
+        gauge: str = "live_resources",
+        amount: int = 1,
+    ) -> None:
+        # Made by ``RequestResources.add`` / ``retain``, which pass the middleware's counters.
+        counters = counters if counters is not None else Counters()
         self._release: Callable[[], object] | None = release
         self._counters = counters
         self._gauge = gauge
@@ -90,9 +98,9 @@ class RequestResources:
     """The resources one request holds, released together when it settles.
 
     ```python
-    async with RequestResources(counters) as scope:
-        scope.add(pins.unpin_callback)          # sync or async release callable
-        held = scope.retain(len(raw))           # counts toward retained_input_bytes
+    async with RequestResources() as resources:
+        resources.add(pins.unpin_callback)      # sync or async release callable
+        held = resources.retain(len(raw))       # counts toward retained_input_bytes
         ...
         await held.release()                    # release early, e.g. at the settle point
     ```
@@ -100,8 +108,9 @@ class RequestResources:
 
     __slots__ = ("_counters", "_resources", "_closed")
 
-    def __init__(self, counters: Counters) -> None:
-        self._counters = counters
+    def __init__(self, counters: Counters | None = None) -> None:
+        # The middleware passes its counters; standalone (a test, a script) it counts for itself.
+        self._counters = counters if counters is not None else Counters()
         self._resources: list[Resource] = []
         self._closed = False
 

@@ -7,6 +7,7 @@ CHANGELOG (as httpx's ``test_exported_members`` does).
 from __future__ import annotations
 
 import types
+import typing
 
 import pytest
 
@@ -109,3 +110,18 @@ def test_a_public_exception_pickles_by_its_public_path() -> None:
     error = asgi_lifetime.BodyTooLarge(limit=10)
     assert repr(type(error)) == "<class 'asgi_lifetime.BodyTooLarge'>"
     assert type(pickle.loads(pickle.dumps(error))) is asgi_lifetime.BodyTooLarge
+
+
+@pytest.mark.parametrize(("module", "names"), MODULES, ids=lambda v: getattr(v, "__name__", ""))
+def test_type_hints_resolve_from_the_public_path(module: types.ModuleType, names: list[str]) -> None:
+    # get_type_hints looks a class's string annotations up in sys.modules[cls.__module__]: with the
+    # public path there, they must have been resolved (FastAPI, pydantic and dataclass tools call it).
+    for name in names:
+        value = getattr(module, name)
+        if isinstance(value, type):
+            typing.get_type_hints(value)
+            for method in vars(value).values():
+                if isinstance(method, types.FunctionType):
+                    typing.get_type_hints(method)
+        elif isinstance(value, types.FunctionType):
+            typing.get_type_hints(value)

@@ -12,6 +12,7 @@ Run it configured only by the environment:
 Needs the ``gateway`` extra: ``pip install 'asgi-lifetime[gateway]'``.
 """
 
+from .._publish import publish as _publish
 from ._access_log import AccessLog
 from ._app import create_app
 from ._auth import GatewayAuth
@@ -42,8 +43,9 @@ __all__ = [
     "default_remap_role",
 ]
 
-# Reprs, tracebacks and the API reference show the public path, not the private module.
-for _public in (
+# Reprs, tracebacks, pickles and the API reference show the public path, not the private module.
+_publish(
+    __name__,
     AccessLog,
     AttemptEvent,
     Bookkeeper,
@@ -59,6 +61,4 @@ for _public in (
     create_app,
     default_refold,
     default_remap_role,
-):
-    _public.__module__ = __name__
-del _public
+)

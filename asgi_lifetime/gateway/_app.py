@@ -84,7 +84,7 @@ def create_app(
         counters=lifetime.counters,
         listener=lambda event: _fan_out(listeners, event),
     )
-    metrics = GatewayMetrics(counters=lifetime.counters, describe_upstreams=upstream.describe)
+    metrics = GatewayMetrics(stats=lifetime.stats, describe_upstreams=upstream.describe)
     listeners.append(metrics.on_attempt)
     drain = _Drain(lifetime)
     forwarder = Forwarder(

@@ -29,8 +29,8 @@ from urllib.parse import quote, unquote_to_bytes
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .._asgi import route_path, send_error
 from .._exceptions import AuthenticationError
-from .._middleware import route_path, send_error
 
 __all__ = ["CREDENTIAL_HEADERS", "REDACTED", "UPSTREAM_AUTH_SCHEMES", "GatewayAuth", "KeyScrubber", "is_loopback"]
 

@@ -18,8 +18,8 @@ changes. Sessions are pinned from admission until their response ends, so an act
 session's entry is never evicted under it::
 
     book = SessionBook(max_sessions=10_000, counters=counters, on_change=rederive)
-    async with RequestResources(counters) as scope:
-        scope.add(book.pin(session_id))         # unpinned on every settlement path
+    async with RequestResources(counters) as resources:
+        resources.add(book.pin(session_id))     # unpinned on every settlement path
         ...                                     # forward, stream the response
         await record_outcome(book, outcome)     # never raises
 """
@@ -30,7 +30,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final, Protocol, runtime_checkable
+from typing import Final, Literal, Protocol, get_args, runtime_checkable
 
 import anyio
 from blake3 import blake3
@@ -40,6 +40,7 @@ from .._stats import Counters
 
 __all__ = [
     "OUTCOMES",
+    "Ending",
     "SESSION_KEY_BYTES",
     "Bookkeeper",
     "Outcome",
@@ -51,9 +52,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-OUTCOMES: Final = frozenset(
-    {"complete", "client_disconnected", "stalled", "starved", "upstream_error", "shutdown", "error"}
-)
+Ending = Literal["complete", "client_disconnected", "stalled", "starved", "upstream_error", "shutdown", "error"]
+"""How a forwarded request ended: what the relay reports and ``Outcome.outcome`` records."""
+
+OUTCOMES: Final = frozenset(get_args(Ending))
 """The values ``Outcome.outcome`` may take."""
 
 SESSION_KEY_BYTES: Final = 16

@@ -1,9 +1,9 @@
 """The gateway's request flow: read -> fingerprint -> prepare -> forward -> relay -> bookkeep.
 
 ``LifetimeMiddleware`` (outside) admits the request, reads and fingerprints the body and
-hands over the first parse. ``Forwarder`` (inside) takes it from there. Input lives in an
-``_Input`` holder that ``on_retries_settled`` clears, never in a local of a frame that
-stays suspended while the answer streams.
+hands over the first parse. ``Forwarder`` (inside) takes it from there. Input lives in the
+``Prepared`` holder that the retries' settle point clears (``_InputCharge`` accounts for it until
+then), never in a local of a frame that stays suspended while the answer streams.
 """
 
 from __future__ import annotations
@@ -12,20 +12,21 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import unquote
 
 import anyio
 import httpx
 from starlette.types import Receive, Scope, Send
 
+from .._asgi import is_json, send_error, single_field, upstream_path, wait_disconnect
 from .._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
-from .._middleware import Lifetime, RequestLifetime, send_error
+from .._middleware import Lifetime, RequestLifetime
 from .._resources import Resource
 from ._bookkeeping import Bookkeeper, Outcome, SessionBook, record_outcome
 from ._memory import trim_after_large_request
 from ._prepare import Prepared, Preparer, prepare
 from ._refold import Conversation, Refold, default_refold
 from ._relay import filter_headers, relay
+from ._transport import close_response
 from ._upstream import UpstreamClient
 
 __all__ = ["Forwarder"]
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 _NOT_FORWARDED = frozenset({"host", "content-length", "content-encoding", "transfer-encoding", "expect"})
 
 
-class _Input:
+class _InputCharge:
     """Accounts for the request's input from read until retries settle.
 
     The input itself is never held here: ``prepare()`` gets the only references to the raw
@@ -155,15 +156,21 @@ class Forwarder:
                 await record_outcome(bookkeeper, finished)
 
     async def _forward(
-        self, prepared: Prepared, held: _Input, receive: Receive, session_id: str | None
+        self, prepared: Prepared, held: _InputCharge, receive: Receive, session_id: str | None
     ) -> httpx.Response | None:
         """``UpstreamClient.forward``, abandoned (None) if the client disconnects meanwhile:
         retries and backoff must not outlive the client that asked for them."""
         response: httpx.Response | None = None
         error: LifetimeError | None = None
         gone = anyio.Event()
+
+        async def watch_disconnect() -> None:
+            await wait_disconnect(receive)
+            gone.set()
+            tg.cancel_scope.cancel()
+
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_watch_disconnect, receive, gone, tg.cancel_scope)
+            tg.start_soon(watch_disconnect)
             try:
                 response = await self.upstream.forward(prepared, on_retries_settled=held.release, session_id=session_id)
                 if response.status_code >= 400:
@@ -175,7 +182,7 @@ class Forwarder:
                 tg.cancel_scope.cancel()
         if gone.is_set():
             if response is not None:  # answered in the same moment the client left
-                await response.aclose()
+                await close_response(response)
             return None
         if error is not None:
             raise error
@@ -183,7 +190,7 @@ class Forwarder:
 
     async def _prepare(
         self, scope: Scope, receive: Receive, state: RequestLifetime, session_id: str | None
-    ) -> tuple[Prepared, _Input]:
+    ) -> tuple[Prepared, _InputCharge]:
         # This frame returns before forwarding starts, so its locals never outlive preparation.
         if {".", ".."} & set(scope["path"].split("/")):
             # httpx would resolve them and the request would leave the forwarded prefix.
@@ -194,10 +201,10 @@ class Forwarder:
         try:
             parsed: Any = state.take_parsed()
         except LookupError:
-            if raw and _is_json(scope):
+            if raw and is_json(scope["headers"]):
                 raise MalformedBody("request body is not valid JSON", code="invalid_json") from None
             parsed = None
-        held = _Input(state.resources.retain(len(raw)), len(raw), trim=self.settings.malloc_trim)
+        held = _InputCharge(state.resources.retain(len(raw)), len(raw), trim=self.settings.malloc_trim)
         preparers = self.preparers if parsed is not None else ()
         # prepare() gets the only references to the body and its parse: what it drops (the
         # received body once a preparer changed it, each message once serialized) is freed.
@@ -215,7 +222,7 @@ class Forwarder:
             fingerprint=state.fingerprint,
             session_id=session_id,
             method=scope["method"],
-            path=_upstream_path(scope),
+            path=upstream_path(scope),
             headers=headers,
             resources=state.resources,
             refold_factory=self.refold_factory,
@@ -226,13 +233,9 @@ class Forwarder:
     def _session_id(self, scope: Scope) -> str | None:
         """The client's session id; too long an id, or two different ones, are refused (400)
         before anything keys by it (the upstream would be sent both lines)."""
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        values = {value.strip() for key, value in headers if key == self._session_header} - {b""}
-        if len(values) > 1:
-            raise RequestError(f"conflicting {self.settings.session_header} headers", code="conflicting_session_id")
-        if not values:
+        value = single_field(scope["headers"], self._session_header, conflict=self._conflicting_ids, skip_empty=True)
+        if value is None:
             return None
-        value = values.pop()
         if len(value) > self.settings.max_session_id_bytes:
             raise RequestError(
                 f"the {self.settings.session_header} header is {len(value)} bytes long; "
@@ -241,32 +244,5 @@ class Forwarder:
             )
         return value.decode("latin-1")
 
-
-async def _watch_disconnect(receive: Receive, gone: anyio.Event, scope: anyio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
-    scope.cancel()
-
-
-def _upstream_path(scope: Scope) -> str:
-    """The path (and query) to append to the upstream base URL: as the client sent it, minus a mount prefix."""
-    root: str = scope.get("root_path", "")
-    path: str = scope["path"]
-    raw: bytes | None = scope.get("raw_path")
-    if raw is not None:
-        encoded = raw.decode("latin-1")
-        # Keep the client's encoding (a %2F or %3F inside a segment must stay one) when raw_path matches.
-        if unquote(encoded) == path and encoded.startswith(root):
-            path = encoded
-    if root and path.startswith(root):
-        path = path[len(root) :]
-    query: bytes = scope.get("query_string", b"")
-    return path + "?" + query.decode("latin-1") if query else path
-
-
-def _is_json(scope: Scope) -> bool:
-    for key, value in scope["headers"]:
-        if key == b"content-type":
-            return b"json" in value.lower()
-    return True
+    def _conflicting_ids(self) -> RequestError:
+        return RequestError(f"conflicting {self.settings.session_header} headers", code="conflicting_session_id")

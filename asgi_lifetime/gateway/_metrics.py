@@ -73,13 +73,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .._stats import Counters, LifetimeStats
+from .._stats import LifetimeStats
 from ._access_log import public_url
 from ._bookkeeping import OUTCOMES, Outcome
+from ._upstream import AttemptEvent
 
 if TYPE_CHECKING:
     from ._multiprocess import Process
-    from ._upstream import AttemptEvent
 
 __all__ = [
     "CONTENT_TYPE",
@@ -237,15 +237,15 @@ class _RequestMetrics:
 
 
 class _LiveStateCollector:
-    """One process: the live state read from ``Counters`` and ``describe()`` at scrape time."""
+    """One process: the live state read from ``stats()`` and ``describe()`` at scrape time."""
 
     def __init__(
         self,
-        counters: Counters,
+        stats: Callable[[], LifetimeStats],
         describe_upstreams: Callable[[], list[dict[str, object]]],
         labels: _UpstreamLabels,
     ) -> None:
-        self._counters = counters
+        self._stats = stats
         self._describe = describe_upstreams
         self._labels = labels
 
@@ -253,7 +253,7 @@ class _LiveStateCollector:
         return self._families(None, {})
 
     def collect(self) -> Iterable[Metric]:
-        return self._families(self._counters.snapshot(), _upstream_views(self._describe, self._labels))
+        return self._families(self._stats(), _upstream_views(self._describe, self._labels))
 
     @staticmethod
     def _families(stats: LifetimeStats | None, views: dict[str, _UpstreamView]) -> Iterator[Metric]:
@@ -277,7 +277,7 @@ class GatewayMetrics:
     """Prometheus metrics for the gateway; a bookkeeper and an attempt listener.
 
     ```python
-    metrics = GatewayMetrics(counters=lifetime.counters, describe_upstreams=upstream.describe)
+    metrics = GatewayMetrics(stats=lifetime.stats, describe_upstreams=upstream.describe)
     upstream = UpstreamClient(settings=settings, counters=lifetime.counters, listener=metrics.on_attempt)
     await record_outcome(metrics, outcome)          # at the end of each response
     app.routes.append(make_metrics_route(metrics))  # GET /metrics
@@ -292,14 +292,14 @@ class GatewayMetrics:
     def __init__(
         self,
         *,
-        counters: Counters,
+        stats: Callable[[], LifetimeStats],
         describe_upstreams: Callable[[], list[dict[str, object]]],
         registry: CollectorRegistry | None = None,
         sync_interval: float = 1.0,
     ) -> None:
         if not (isinstance(sync_interval, (int, float)) and 0 < sync_interval < float("inf")):
             raise ValueError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
-        self._counters = counters
+        self._stats = stats
         self._describe = describe_upstreams
         self.registry = registry if registry is not None else CollectorRegistry()
         """The registry ``render`` exposes."""
@@ -309,7 +309,7 @@ class GatewayMetrics:
             self._directory = ""
             self._labels = _UpstreamLabels()
             self._metrics = _RequestMetrics(self.registry)
-            self.registry.register(_LiveStateCollector(counters, describe_upstreams, self._labels))
+            self.registry.register(_LiveStateCollector(stats, describe_upstreams, self._labels))
             return
         if not directory or not os.path.isdir(directory):
             raise ValueError(f"{MULTIPROC_DIR_ENV} must name an existing directory, got {directory!r}")
@@ -326,7 +326,7 @@ class GatewayMetrics:
         self._labels = process.labels
         self._metrics = process.metrics
         _multiprocess.SharedFilesCollector(self.registry, directory)
-        source = _multiprocess.Source(counters, describe_upstreams)
+        source = _multiprocess.Source(stats, describe_upstreams)
         process.add(source, float(sync_interval))
         # Final totals and gauges out at close(), garbage collection or interpreter exit.
         self._finalizer = weakref.finalize(self, _multiprocess.retire, process, source)

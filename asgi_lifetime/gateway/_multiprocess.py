@@ -19,7 +19,7 @@ from prometheus_client import values as _prometheus_values
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from .._stats import Counters, LifetimeStats
+from .._stats import LifetimeStats
 from ._metrics import (
     _GAUGES,
     _TOTALS,
@@ -62,10 +62,10 @@ class _Mirror:
 class Source:
     """One ``GatewayMetrics``' live state, as the process-wide mirror sees it (no reference back)."""
 
-    __slots__ = ("counters", "describe", "synced", "upstreams", "__weakref__")
+    __slots__ = ("stats", "describe", "synced", "upstreams", "__weakref__")
 
-    def __init__(self, counters: Counters, describe: Callable[[], list[dict[str, object]]]) -> None:
-        self.counters = counters
+    def __init__(self, stats: Callable[[], LifetimeStats], describe: Callable[[], list[dict[str, object]]]) -> None:
+        self.stats = stats
         self.describe = describe
         self.synced: dict[tuple[str, str], int] = {}
         """The value of each total at the last copy; the mirror counters advance by the difference."""
@@ -149,7 +149,7 @@ class Process:
             inflight: dict[str, int] = {}
             down: dict[str, int] = {}
             for source in list(self.sources):
-                stats = source.counters.snapshot()
+                stats = source.stats()
                 for name, field, _ in _GAUGES:
                     gauges[name] += getattr(stats, field)
                 self._copy_source(source, stats)
@@ -165,7 +165,7 @@ class Process:
 
     def _copy_source(self, source: Source, stats: LifetimeStats | None = None) -> None:
         if stats is None:
-            stats = source.counters.snapshot()
+            stats = source.stats()
         for name, field, _ in _TOTALS:
             source.advance(self.mirror.totals[name], (name, ""), getattr(stats, field))
         try:

@@ -42,12 +42,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 import anyio
 import httpx
 from starlette.types import Message, Receive, Send
 
+from .._asgi import wait_disconnect
 from .._exceptions import (
     AdmissionRejected,
     ErrorShape,
@@ -58,14 +58,13 @@ from .._exceptions import (
     UpstreamTimeout,
 )
 from .._stats import Counters
+from ._bookkeeping import Ending
 from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
-__all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "Outcome", "RelayResult", "filter_headers", "relay"]
+__all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "RelayResult", "filter_headers", "relay"]
 
 logger = logging.getLogger(__name__)
-
-Outcome = Literal["complete", "client_disconnected", "stalled", "starved", "upstream_error", "shutdown"]
 
 HOP_BY_HOP: frozenset[str] = frozenset(
     {
@@ -107,7 +106,7 @@ class RelayResult:
     status: int
     bytes_out: int
     first_byte_at: float | None
-    outcome: Outcome
+    outcome: Ending
     reissued: bool
 
 
@@ -199,7 +198,7 @@ class _Relay:
 
     async def run(self, response: httpx.Response, receive: Receive) -> RelayResult:
         self.responses.append(response)
-        outcome: Outcome = "client_disconnected"
+        outcome: Ending = "client_disconnected"
         error: Exception | None = None
         try:
             self._use(response)
@@ -250,16 +249,13 @@ class _Relay:
 
     async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
         try:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    if not self.ended:
-                        self.disconnected = True
-                        scope.cancel()
-                    return
-                # Anything else (a late http.request) is of no interest while relaying.
+            await wait_disconnect(receive)
         except Exception:
             logger.debug("receive() failed while watching for a disconnect", exc_info=True)
+            return
+        if not self.ended:
+            self.disconnected = True
+            scope.cancel()
 
     async def _watch_stop(self, stop: anyio.Event) -> None:
         await stop.wait()
@@ -302,7 +298,7 @@ class _Relay:
         self.guarded = self.hold_ok = self.inband and 200 <= response.status_code < 300
         self._drop_held()
 
-    async def _relay(self, response: httpx.Response) -> Outcome:
+    async def _relay(self, response: httpx.Response) -> Ending:
         while True:
             failed = await self._read(response)
             if failed is not None:
@@ -333,7 +329,7 @@ class _Relay:
                 await self._send_body(b"", more_body=False)
             return "upstream_error" if tracker.saw_error else "complete"
 
-    async def _read(self, response: httpx.Response) -> Outcome | None:
+    async def _read(self, response: httpx.Response) -> Ending | None:
         """Relay ``response`` until it ends: None when it ended cleanly, else the outcome of its failure."""
         try:
             await self._pump(response)

@@ -129,7 +129,7 @@ def feed(metrics: GatewayMetrics) -> None:
 
 
 def test_known_sequence_renders_exact_values() -> None:
-    metrics = GatewayMetrics(counters=known_counters(), describe_upstreams=describe)
+    metrics = GatewayMetrics(stats=known_counters().snapshot, describe_upstreams=describe)
     feed(metrics)
     body, content_type = metrics.render()
     assert content_type == CONTENT_TYPE
@@ -183,7 +183,7 @@ def test_known_sequence_renders_exact_values() -> None:
 
 def test_gauges_are_read_at_scrape_time() -> None:
     counters = Counters()
-    metrics = GatewayMetrics(counters=counters, describe_upstreams=list)
+    metrics = GatewayMetrics(stats=counters.snapshot, describe_upstreams=list)
     assert value(parse(metrics.render()[0]), "inflight_requests") == 0
     counters.inflight_requests = 3
     counters.rejected = 2
@@ -193,7 +193,7 @@ def test_gauges_are_read_at_scrape_time() -> None:
 
 
 def test_no_session_path_query_or_credentials_in_labels() -> None:
-    metrics = GatewayMetrics(counters=known_counters(), describe_upstreams=describe)
+    metrics = GatewayMetrics(stats=known_counters().snapshot, describe_upstreams=describe)
     feed(metrics)
     body = metrics.render()[0]
     text = body.decode()
@@ -208,8 +208,8 @@ def test_no_session_path_query_or_credentials_in_labels() -> None:
 
 
 def test_two_instances_do_not_collide() -> None:
-    first = GatewayMetrics(counters=Counters(), describe_upstreams=list)
-    second = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    first = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
+    second = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
     feed(first)
     assert first.registry is not second.registry
     assert series(parse(first.render()[0]), "requests_total")
@@ -219,17 +219,17 @@ def test_two_instances_do_not_collide() -> None:
 
 def test_uses_a_given_registry() -> None:
     registry = CollectorRegistry()
-    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list, registry=registry)
+    metrics = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list, registry=registry)
     metrics.record(make_outcome())
     assert metrics.registry is registry
     assert registry.get_sample_value("asgi_lifetime_requests_total", {"status": "200", "upstream": A,
                                                                         "outcome": "complete"}) == 1  # fmt: skip
     with pytest.raises(ValueError, match="Duplicated timeseries"):
-        GatewayMetrics(counters=Counters(), describe_upstreams=list, registry=registry)
+        GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list, registry=registry)
 
 
 def test_upstream_labels_are_bounded() -> None:
-    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    metrics = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
     for i in range(100):
         metrics.record(make_outcome(upstream=f"http://upstream-{i}:8000"))
     metrics.record(make_outcome(upstream=None))
@@ -259,13 +259,13 @@ def test_upstream_labels_are_bounded() -> None:
     ],
 )
 def test_attempt_reason_classes(event: AttemptEvent, reason: str) -> None:
-    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    metrics = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
     metrics.on_attempt(event)
     assert series(parse(metrics.render()[0]), "attempts_total") == {lbl(kind=event.kind, reason=reason): 1}
 
 
 def test_settled_events_are_not_attempts() -> None:
-    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    metrics = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
     metrics.on_attempt(AttemptEvent("settled", 3, 200, "status 200"))
     assert series(parse(metrics.render()[0]), "attempts_total") == {}
 
@@ -273,12 +273,12 @@ def test_settled_events_are_not_attempts() -> None:
 @pytest.mark.parametrize("interval", [0, -1.0, math.inf, math.nan])
 def test_sync_interval_must_be_positive(interval: float) -> None:
     with pytest.raises(ValueError, match="sync_interval"):
-        GatewayMetrics(counters=Counters(), describe_upstreams=list, sync_interval=interval)
+        GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list, sync_interval=interval)
 
 
 @pytest.mark.anyio
 async def test_is_a_bookkeeper() -> None:
-    metrics = GatewayMetrics(counters=Counters(), describe_upstreams=list)
+    metrics = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
     assert isinstance(metrics, Bookkeeper)
     await record_outcome(metrics, make_outcome())
     assert value(parse(metrics.render()[0]), "requests_total", status="200", upstream=A, outcome="complete") == 1
@@ -286,7 +286,7 @@ async def test_is_a_bookkeeper() -> None:
 
 @pytest.mark.anyio
 async def test_metrics_route() -> None:
-    metrics = GatewayMetrics(counters=known_counters(), describe_upstreams=describe)
+    metrics = GatewayMetrics(stats=known_counters().snapshot, describe_upstreams=describe)
     metrics.record(make_outcome())
     app = Starlette(routes=[make_metrics_route(metrics)])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://testserver") as client:
@@ -327,7 +327,9 @@ def make_metrics(multiproc_dir: Path) -> Iterator[Callable[..., GatewayMetrics]]
 
     def make(counters: Counters, describe_upstreams: Callable[[], list[dict[str, object]]] = list,
              sync_interval: float = 60.0) -> GatewayMetrics:  # fmt: skip
-        metrics = GatewayMetrics(counters=counters, describe_upstreams=describe_upstreams, sync_interval=sync_interval)
+        metrics = GatewayMetrics(
+            stats=counters.snapshot, describe_upstreams=describe_upstreams, sync_interval=sync_interval
+        )
         created.append(metrics)
         return metrics
 
@@ -339,14 +341,14 @@ def make_metrics(multiproc_dir: Path) -> Iterator[Callable[..., GatewayMetrics]]
 def test_multiprocess_requires_the_variable_before_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path))
     with pytest.raises(ValueError, match="set after prometheus_client was imported"):
-        GatewayMetrics(counters=Counters(), describe_upstreams=list)
+        GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
 
 
 @pytest.mark.parametrize("directory", ["", "does-not-exist"])
 def test_multiprocess_requires_a_directory(directory: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path / directory) if directory else "")
     with pytest.raises(ValueError, match=MULTIPROC_DIR_ENV):
-        GatewayMetrics(counters=Counters(), describe_upstreams=list)
+        GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
 
 
 def test_multiprocess_two_instances_sum(make_metrics: Callable[..., GatewayMetrics], multiproc_dir: Path) -> None:
@@ -434,7 +436,7 @@ _CHILD = textwrap.dedent(
 
     counters = Counters()
     upstreams = [{"url": "http://upstream-a:8000", "inflight": 4, "down_for": 1.0, "requests": 9, "failures": 1}]
-    metrics = GatewayMetrics(counters=counters, describe_upstreams=lambda: upstreams, sync_interval=0.02)
+    metrics = GatewayMetrics(stats=counters.snapshot, describe_upstreams=lambda: upstreams, sync_interval=0.02)
     fp = Fingerprint(wire_hash="cd" * 32, text_comparable=False, size=5)
     for _ in range(2):
         metrics.record(Outcome(fingerprint=fp, session_id=None, path="/v1/x", status=200, bytes_out=10, attempts=1,

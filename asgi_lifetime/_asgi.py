@@ -1,0 +1,109 @@
+"""ASGI chores, each done once: header field lookup, JSON or not, the mounted path, waiting for a
+disconnect, sending an error. The middleware and the gateway both use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from urllib.parse import unquote
+
+from starlette.types import Receive, Scope, Send
+
+from ._exceptions import LifetimeError, MalformedBody, error_shape
+
+__all__ = [
+    "Headers",
+    "is_json",
+    "list_field",
+    "route_path",
+    "send_error",
+    "single_field",
+    "upstream_path",
+    "wait_disconnect",
+]
+
+Headers = Iterable[tuple[bytes, bytes]]
+"""ASGI header lines: lowercase names, raw values, in the order received."""
+
+
+def list_field(headers: Headers, name: bytes) -> str | None:
+    """A list-valued field as one lowercased value: its lines joined with ", " (RFC 9110 5.3),
+    empty lines left out; ``None`` when no line has that name.
+
+    Reading only the first line would let a second one (``Content-Encoding:`` then ``gzip``)
+    reach whoever reads them all, the app behind or the upstream, describing the body otherwise.
+    """
+    values = [value.decode("latin-1").strip().lower() for key, value in headers if key == name]
+    if not values:
+        return None
+    return ", ".join(value for value in values if value)
+
+
+def single_field(
+    headers: Headers, name: bytes, *, conflict: Callable[[], LifetimeError], skip_empty: bool = False
+) -> bytes | None:
+    """A single-valued field's value (stripped), ``None`` when absent.
+
+    Lines repeating one value are that value; lines with different values raise ``conflict()``:
+    the gateway would judge by one line while the upstream may read another.
+    """
+    values = {value.strip() for key, value in headers if key == name}
+    if skip_empty:
+        values.discard(b"")
+    if len(values) > 1:
+        raise conflict()
+    return values.pop() if values else None
+
+
+def _conflicting_content_type() -> MalformedBody:
+    return MalformedBody("conflicting Content-Type headers", code="conflicting_content_type")
+
+
+def is_json(headers: Headers) -> bool:
+    """Whether the body is taken for JSON: ``Content-Type`` absent or naming JSON.
+
+    Several different Content-Type lines are refused (400): the gateway would skip the parse
+    and every preparer for ``text/plain`` while the upstream may read ``application/json``.
+    """
+    value = single_field(headers, b"content-type", conflict=_conflicting_content_type)
+    return value is None or b"json" in value.lower()
+
+
+def _strip_root(scope: Scope, path: str) -> str:
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def route_path(scope: Scope) -> str:
+    """The request path relative to where the app is mounted (``root_path`` removed)."""
+    return _strip_root(scope, scope["path"])
+
+
+def upstream_path(scope: Scope) -> str:
+    """The path and query to append to an upstream base URL: as the client sent it, minus the mount."""
+    path: str = scope["path"]
+    raw: bytes | None = scope.get("raw_path")
+    if raw is not None:
+        encoded = raw.decode("latin-1")
+        # Keep the client's encoding (a %2F or %3F inside a segment must stay one) when raw_path matches.
+        if unquote(encoded) == path and encoded.startswith(scope.get("root_path", "")):
+            path = encoded
+    path = _strip_root(scope, path)
+    query: bytes = scope.get("query_string", b"")
+    return path + "?" + query.decode("latin-1") if query else path
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects; anything else received meanwhile (a late
+    ``http.request``) is of no interest to a response in progress."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def send_error(
+    scope: Scope, send: Send, exc: LifetimeError, *, extra_headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """Send ``exc`` as a complete JSON error response, in the shape the client of ``scope`` parses."""
+    start, body = exc.asgi_response(extra_headers, shape=error_shape(scope["path"], scope["headers"]))
+    await send(start)
+    await send({"type": "http.response.body", "body": body, "more_body": False})
