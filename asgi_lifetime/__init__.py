@@ -70,33 +70,4 @@ __all__ = [
 ]
 
 # Reprs, tracebacks, pickles and the API reference show the public path, not the private module.
-_publish(
-    __name__,
-    AdmissionRejected,
-    AuthenticationError,
-    BodyAborted,
-    BodyIdleTimeout,
-    BodyTimeout,
-    BodyTooComplex,
-    BodyTooLarge,
-    Fingerprint,
-    Lifetime,
-    LifetimeError,
-    LifetimeMiddleware,
-    LifetimeSettings,
-    LifetimeStats,
-    MalformedBody,
-    RequestError,
-    RequestLifetime,
-    RequestResources,
-    Resource,
-    UnsupportedEncoding,
-    UpstreamError,
-    UpstreamStalled,
-    UpstreamStarved,
-    UpstreamTimeout,
-    UpstreamUnreachable,
-    fingerprint,
-    text_comparable,
-    wire_hash,
-)
+_publish(globals())

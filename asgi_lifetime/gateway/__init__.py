@@ -44,21 +44,4 @@ __all__ = [
 ]
 
 # Reprs, tracebacks, pickles and the API reference show the public path, not the private module.
-_publish(
-    __name__,
-    AccessLog,
-    AttemptEvent,
-    Bookkeeper,
-    Conversation,
-    Draft,
-    GatewayAuth,
-    GatewayMetrics,
-    Outcome,
-    Prepared,
-    SessionBook,
-    SessionEntry,
-    UpstreamClient,
-    create_app,
-    default_refold,
-    default_remap_role,
-)
+_publish(globals())
