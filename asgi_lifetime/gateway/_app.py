@@ -75,7 +75,7 @@ def create_app(
     if settings.upstream_api_key and not settings.gateway_keys:
         logger.warning("an upstream key is set and no gateway keys: only loopback clients will be served")
     lifetime = Lifetime(settings)
-    book = SessionBook(max_sessions=settings.bookkeeping_sessions, counters=lifetime.counters)
+    book = SessionBook(max_sessions=settings.bookkeeping_sessions, lifetime=lifetime)
     listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]
     upstream = UpstreamClient(
         settings=settings,

@@ -17,8 +17,8 @@ calls ``on_change`` (the per-session "recomputation") only when a session's wire
 changes. Sessions are pinned from admission until their response ends, so an active
 session's entry is never evicted under it::
 
-    book = SessionBook(max_sessions=10_000, counters=counters, on_change=rederive)
-    async with RequestResources(counters) as resources:
+    book = SessionBook(max_sessions=10_000, lifetime=lifetime, on_change=rederive)
+    async with RequestResources() as resources:
         resources.add(book.pin(session_id))     # unpinned on every settlement path
         ...                                     # forward, stream the response
         await record_outcome(book, outcome)     # never raises
@@ -36,6 +36,7 @@ import anyio
 from blake3 import blake3
 
 from .._fingerprint import Fingerprint
+from .._middleware import Lifetime
 from .._stats import Counters
 
 __all__ = [
@@ -195,7 +196,7 @@ class SessionBook:
     """The default bookkeeper: a bounded, pin-aware LRU of per-session entries.
 
     ```python
-    book = SessionBook(max_sessions=10_000, counters=counters, on_change=rederive)
+    book = SessionBook(max_sessions=10_000, lifetime=lifetime, on_change=rederive)
     unpin = book.pin("sess-1")                  # at admission; register with the RequestResources
     book.record(outcome)                        # at the end of the response
     unpin()                                     # idempotent
@@ -214,7 +215,7 @@ class SessionBook:
       ``max_sessions``: at most ``max(max_sessions, pinned entries + 1)``, the +1 being the
       entry just recorded, which always survives its own record. Every unpin evicts back
       toward the bound, so the book shrinks to ``max_sessions`` as pins are released.
-    - ``counters.pinned_sessions`` counts pinned *requests* (outstanding pins: +1 per
+    - ``pinned_sessions`` (in ``lifetime.stats()``) counts pinned *requests* (outstanding pins: +1 per
       ``pin``, -1 per first call of its unpin), so it returns to 0 exactly when every
       request has released. ``pinned`` counts distinct pinned session ids.
     - ``get`` is a peek: it does not refresh recency. ``pin`` does.
@@ -228,13 +229,14 @@ class SessionBook:
         self,
         *,
         max_sessions: int,
-        counters: Counters | None = None,
+        lifetime: Lifetime | None = None,
         on_change: Callable[[str, Fingerprint], None] | None = None,
     ) -> None:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be a positive integer, got {max_sessions!r}")
         self._max_sessions = max_sessions
-        self._counters = counters if counters is not None else Counters()
+        # The pins count toward the middleware's stats (``pinned_sessions``) when it is given.
+        self._counters = lifetime.counters if lifetime is not None else Counters()
         self._on_change = on_change
         self._entries: OrderedDict[bytes, SessionEntry] = OrderedDict()
         self._pins: dict[bytes, int] = {}

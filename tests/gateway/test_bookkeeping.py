@@ -10,9 +10,9 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from asgi_lifetime import Lifetime, LifetimeSettings
 from asgi_lifetime._fingerprint import Fingerprint
 from asgi_lifetime._resources import RequestResources
-from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway import _bookkeeping
 from asgi_lifetime.gateway._bookkeeping import (
     OUTCOMES,
@@ -246,8 +246,9 @@ def test_failed_on_change_is_retried() -> None:
 
 
 def test_pinned_entry_survives_eviction_then_book_shrinks() -> None:
-    counters = Counters()
-    book = SessionBook(max_sessions=3, counters=counters)
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
+    book = SessionBook(max_sessions=3, lifetime=lifetime)
     book.record(make_outcome("pinned"))
     unpin = book.pin("pinned")
     for i in range(10):
@@ -264,8 +265,9 @@ def test_pinned_entry_survives_eviction_then_book_shrinks() -> None:
 
 
 def test_all_pinned_exceeds_max_then_shrinks_on_unpin() -> None:
-    counters = Counters()
-    book = SessionBook(max_sessions=2, counters=counters)
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
+    book = SessionBook(max_sessions=2, lifetime=lifetime)
     unpins = [book.pin(f"s{i}") for i in range(5)]
     for i in range(5):
         book.record(make_outcome(f"s{i}"))
@@ -295,8 +297,9 @@ def test_pin_before_first_record_keeps_new_entry() -> None:
 
 
 def test_unpin_is_idempotent() -> None:
-    counters = Counters()
-    book = SessionBook(max_sessions=2, counters=counters)
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
+    book = SessionBook(max_sessions=2, lifetime=lifetime)
     first, second = book.pin("s1"), book.pin("s1")
     assert book.pinned == 1 and counters.pinned_sessions == 2
     first()
@@ -323,9 +326,10 @@ def test_refcounted_pins_keep_session_until_last_release() -> None:
 @pytest.mark.anyio
 async def test_concurrent_same_session_requests() -> None:
     n, failing = 12, {2, 5, 9}
-    counters = Counters()
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
     calls: list[str] = []
-    book = SessionBook(max_sessions=1, counters=counters, on_change=lambda sid, _: calls.append(sid))
+    book = SessionBook(max_sessions=1, lifetime=lifetime, on_change=lambda sid, _: calls.append(sid))
     all_recorded, checked = anyio.Event(), anyio.Event()
     recorded = 0
     failures = 0
@@ -383,8 +387,9 @@ async def test_concurrent_same_session_requests() -> None:
 async def test_concurrent_requests_released_by_request_scope_on_failure() -> None:
     """A failure that cancels sibling requests still releases every pin through the scope."""
     n = 6
-    counters = Counters()
-    book = SessionBook(max_sessions=2, counters=counters)
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
+    book = SessionBook(max_sessions=2, lifetime=lifetime)
     started = 0
     all_started = anyio.Event()
 
@@ -477,8 +482,9 @@ async def test_record_outcome_awaits_async_bookkeeper() -> None:
 async def test_record_outcome_swallows_and_logs_failures(
     bookkeeper: Bookkeeper, caplog: pytest.LogCaptureFixture
 ) -> None:
-    counters = Counters()
-    book = SessionBook(max_sessions=2, counters=counters)
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
+    book = SessionBook(max_sessions=2, lifetime=lifetime)
     with caplog.at_level(logging.ERROR, logger="asgi_lifetime.gateway._bookkeeping"):
         async with RequestResources(counters) as scope:
             scope.add(book.pin("s1"))
@@ -535,8 +541,9 @@ def test_log_messages_carry_no_session_or_body(caplog: pytest.LogCaptureFixture)
 
 @pytest.mark.parametrize("session_id", ["s1", "x" * 100_000, "é-ünïcode", "\udcff-surrogate"])
 def test_the_book_keeps_a_fixed_size_digest_never_the_id(session_id: str) -> None:
-    counters = Counters()
-    book = SessionBook(max_sessions=4, counters=counters)
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
+    book = SessionBook(max_sessions=4, lifetime=lifetime)
     unpin = book.pin(session_id)
     book.record(make_outcome(session_id))
     assert session_id in book and book.get(session_id) is not None
