@@ -65,8 +65,10 @@ def is_json(headers: Headers) -> bool:
     Several different Content-Type lines are refused (400): the gateway would skip the parse
     and every preparer for ``text/plain`` while the upstream may read ``application/json``.
     """
-    value = single_field(headers, b"content-type", conflict=_conflicting_content_type)
-    return value is None or b"json" in value.lower()
+    # Media types are case-insensitive (RFC 9110 8.3.1): "Application/JSON" twice is one type.
+    lowered = ((key, value.lower()) for key, value in headers)
+    value = single_field(lowered, b"content-type", conflict=_conflicting_content_type)
+    return value is None or b"json" in value
 
 
 def _strip_root(scope: Scope, path: str) -> str:

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from asgi_lifetime import Conversation, Draft, LifetimeSettings
-from asgi_lifetime.gateway import create_app
+from asgi_lifetime import LifetimeSettings
+from asgi_lifetime.gateway import Conversation, Draft, create_app
 from asgi_lifetime.testing import create_demo_upstream, serve_in_thread
 
 MODEL_ALIASES = {"fast": "demo-small", "smart": "demo-large"}

@@ -45,7 +45,7 @@ from ._upstream import AttemptEvent, UpstreamClient
 
 __all__ = ["create_app"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("asgi_lifetime.gateway")  # the public module's name, as before the layout moved
 
 _FORWARDED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 _DRAIN_POLL = 0.05

@@ -107,7 +107,7 @@ async def chat(doc: dict[str, Any]) -> Prepared:
         method="POST",
         path=PATH,
         headers=[("content-type", "application/json")],
-        scope=RequestResources(Counters()),
+        resources=RequestResources(Counters()),
     )
 
 
@@ -710,7 +710,7 @@ async def release_case(retain: bool) -> tuple[Prepared, httpx.Response, bytes, l
         method="POST",
         path=PATH,
         headers=[],
-        scope=RequestResources(Counters()),
+        resources=RequestResources(Counters()),
     )
     del messages, raw  # the caller drops its own references
     assert prepared.refold is not None
