@@ -3,7 +3,8 @@
 One retry loop covers every kind of second attempt: transport failures and 429/502/503/504
 (backoff with full jitter, honouring ``Retry-After``), context overflows (refold, no
 backoff) and rejected roles (rename, no backoff). All count against ``max_attempts`` and
-the ``retry_deadline``. When the loop ends, however it ends, the request settles:
+the ``retry_deadline``. The rules are ``_retry.Retry``'s, an immutable value the loop advances
+per attempt; the loop sends, asks it, and acts. When the loop ends, however it ends, the request settles:
 ``Prepared.settle`` drops the refold/remap closures (and the body unless retained), then
 ``on_retries_settled`` runs, before the first response byte can be streamed::
 
@@ -485,12 +486,13 @@ class UpstreamClient:
         """The next attempt's state if the error asks for a refold or a role rename and the body changed."""
         overflow = match_overflow(status, captured) if prepared.refold else None
         if overflow is not None:
-            return retry.increment() if self._refold(prepared, overflow.window, retry.attempt, status) else None
+            refolded = self._refold(prepared, overflow.window, retry.attempt, status)
+            return retry.increment() if refolded else None
         rejected = match_rejected_role(status, captured) if prepared.remap_role is not None else None
         target = retry.role_target(rejected) if rejected is not None else None
-        if rejected is None or target is None or not self._remap(prepared, rejected, target, retry.attempt):
+        if rejected is None or target is None:
             return None
-        return retry.increment(role=target)
+        return retry.increment(role=target) if self._remap(prepared, rejected, target, retry.attempt) else None
 
     async def _send(self, prepared: Prepared, base: str) -> httpx.Response | _Failure:
         """One attempt up to the response headers."""
