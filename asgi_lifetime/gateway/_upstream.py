@@ -3,7 +3,8 @@
 One retry loop covers every kind of second attempt: transport failures and 429/502/503/504
 (backoff with full jitter, honouring ``Retry-After``), context overflows (refold, no
 backoff) and rejected roles (rename, no backoff). All count against ``max_attempts`` and
-the ``retry_deadline``. When the loop ends, however it ends, the request settles:
+the ``retry_deadline``. The rules are ``_retry.Retry``'s, an immutable value the loop advances
+per attempt; the loop sends, asks it, and acts. When the loop ends, however it ends, the request settles:
 ``Prepared.settle`` drops the refold/remap closures (and the body unless retained), then
 ``on_retries_settled`` runs, before the first response byte can be streamed::
 
@@ -17,14 +18,11 @@ the ``retry_deadline``. When the loop ends, however it ends, the request settles
 
 from __future__ import annotations
 
-import email.utils
 import logging
-import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import timezone
 from types import TracebackType
 from typing import Literal
 
@@ -39,14 +37,13 @@ from ._error_body import ErrorBody, read_error_body, replay
 from ._pool import UpstreamPool
 from ._prepare import Prepared
 from ._refold import match_overflow, match_rejected_role
+from ._retry import Retry, asked_wait, resend_safe, says_no_retry
 from ._transport import GuardedTransport
 
 __all__ = ["AttemptEvent", "UpstreamClient"]
 
 logger = logging.getLogger(__name__)
 
-# 529 is Anthropic's overloaded_error: its 503.
-_RETRY_STATUSES = frozenset({429, 502, 503, 504, 529})
 # Set from the URL and the body on every attempt; never taken from the client's request.
 # Accept-Encoding is always identity: every answer is relayed as the upstream's plain bytes, so
 # the stream guards read every event and the key scrubber sees every byte. (Those bytes cross
@@ -251,43 +248,6 @@ def _join(base: str, path: str) -> str:
     return base[:-1] + path if base.endswith("/") and path.startswith("/") else base + path
 
 
-def _asked_wait(headers: httpx.Headers) -> float | None:
-    """The wait the upstream asked for: ``retry-after-ms`` (OpenAI, Anthropic) or ``Retry-After``."""
-    milliseconds = headers.get("retry-after-ms")
-    if milliseconds:
-        try:
-            value = float(milliseconds) / 1000
-        except ValueError:
-            pass
-        else:
-            if math.isfinite(value):
-                return max(0.0, value)
-    return _retry_after(headers.get("retry-after"))
-
-
-def _says_no_retry(headers: httpx.Headers) -> bool:
-    """The upstream's own ``x-should-retry: false`` (Anthropic's API sends it)."""
-    value: str = headers.get("x-should-retry", "")
-    return value.strip().lower() == "false"
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds from a ``Retry-After`` header (delay-seconds or HTTP date), ``None`` if absent or invalid."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:  # "-0000": HTTP dates are always GMT
-        when = when.replace(tzinfo=timezone.utc)
-    return max(0.0, when.timestamp() - time.time())
-
-
 def _framed(response: httpx.Response, scrubber: KeyScrubber) -> None:
     """The response headers as they may be relayed: one framing, and no trace of our upstream key.
 
@@ -453,75 +413,86 @@ class UpstreamClient:
         return response
 
     async def _attempts(self, prepared: Prepared, session_id: str | None, run: _Run) -> httpx.Response:
-        settings = self._settings
-        deadline = self._clock() + settings.retry_deadline
-        failed: set[str] = set()
-        backoffs = 0
-        roles_tried: set[str] = set()
+        retry = Retry.start(self._settings, now=self._clock(), upstreams=len(self._pool.urls))
         while True:
-            run.attempts += 1
-            base = self._choose(session_id, frozenset(failed))
+            run.attempts = retry.attempt
+            base = self._choose(session_id, retry.failed)
             outcome = await self._send(prepared, base)
-            more = run.attempts < settings.max_attempts
             if isinstance(outcome, _Failure):
-                failed.add(base)
-                delay = self._backoff(backoffs, None)
-                if not (outcome.retryable and more and self._clock() + delay <= deadline):
-                    raise outcome.error(run.attempts) from None
-                await self._pause(run.attempts, None, outcome.reason, delay)
-                backoffs += 1
+                retry = await self._after_failure(retry, outcome, base)
                 continue
-            response = outcome
-            keep = False
-            try:
-                status = response.status_code
-                if status in _RETRY_STATUSES:
-                    failed.add(base)
-                    asked = _asked_wait(response.headers)
-                    # A wait longer than we would keep the client waiting is that upstream's: another
-                    # one is tried after the usual backoff, without waiting out the cap first.
-                    too_long = asked is not None and asked > settings.retry_after_cap
-                    if _says_no_retry(response.headers) or (
-                        # ...and with nowhere else to go: re-sending early would count against the
-                        # key; the client gets the wait.
-                        too_long and len(failed) >= len(self._pool.urls)
-                    ):
-                        # The upstream said whether or when to ask again: its answer goes to the client
-                        # as it is (the SDKs honour both headers).
-                        keep = True
-                        return response
-                    delay = self._backoff(backoffs, None if too_long else asked)
-                    if not (more and self._clock() + delay <= deadline):
-                        if settings.max_attempts > 1:
-                            # Our retries are spent: an SDK retrying this would multiply them. (With
-                            # MAX_ATTEMPTS=1 the gateway does not retry: retrying is left to the client.)
-                            response.headers.update(NO_CLIENT_RETRY)
-                        keep = True
-                        return response
-                    await response.aclose()  # before sleeping: the connection goes back to the pool
-                    await self._pause(run.attempts, status, f"status {status}", delay)
-                    backoffs += 1
-                    continue
-                if not (status in (400, 413) and prepared.refold) and not (status == 400 and prepared.remap_role):
-                    keep = True
-                    return response
-                error_body = await self._read_error(response)
-                captured = error_body.data if error_body.decoded else b""
-                more = more and self._clock() < deadline
-                overflow = match_overflow(status, captured) if prepared.refold else None
-                if overflow is not None:
-                    if more and self._refold(prepared, overflow.window, run.attempts, status):
-                        continue
-                elif prepared.remap_role is not None:
-                    rejected = match_rejected_role(status, captured)
-                    if rejected is not None and more and self._remap(prepared, rejected, roles_tried, run.attempts):
-                        continue
-                keep = True
-                return replay(response, error_body, self._scrubber, limit=settings.error_body_limit)
-            finally:
-                if not keep:
-                    with anyio.CancelScope(shield=True):
-                        await response.aclose()
+            answer = await self._answer(prepared, retry, outcome, base)
+            if isinstance(answer, httpx.Response):
+                return answer
+            retry = answer
+
+    async def _after_failure(self, retry: Retry, failure: _Failure, base: str) -> Retry:
+        """Wait and go on to the next attempt, or raise the failure's error if it is final."""
+        delay = retry.delay(self._jitter(retry))
+        if not retry.retries_failure(failure.retryable, delay, self._clock()):
+            raise failure.error(retry.attempt) from None
+        await self._pause(retry.attempt, None, failure.reason, delay)
+        return retry.increment(failed=base, backoff=True)
+
+    async def _answer(
+        self, prepared: Prepared, retry: Retry, response: httpx.Response, base: str
+    ) -> httpx.Response | Retry:
+        """The response to hand back, or the next attempt's state (``response`` is then closed)."""
+        answer: httpx.Response | Retry | None = None
+        try:
+            status = response.status_code
+            if retry.retries_status(status):
+                answer = await self._after_status(retry, response, base)
+            elif retry.may_reshape(status, refold=bool(prepared.refold), remap=bool(prepared.remap_role)):
+                answer = await self._reshaped(prepared, retry, response)
+            else:
+                answer = response
+            return answer
+        finally:
+            if not isinstance(answer, httpx.Response):
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+
+    async def _after_status(self, retry: Retry, response: httpx.Response, base: str) -> httpx.Response | Retry:
+        """A busy or failing upstream's status: wait and go on (another upstream first), or hand it back."""
+        asked = asked_wait(response.headers)
+        if retry.answer_stands(base, asked=asked, no_retry=says_no_retry(response.headers)):
+            # The upstream said whether or when to ask again: its answer goes to the client as it
+            # is (the SDKs honour both headers).
+            return response
+        delay = retry.delay(self._jitter(retry), asked)
+        if not retry.in_time(delay, self._clock()):
+            if retry.marks_spent():
+                response.headers.update(NO_CLIENT_RETRY)
+            return response
+        await response.aclose()  # before sleeping: the connection goes back to the pool
+        status = response.status_code
+        await self._pause(retry.attempt, status, f"status {status}", delay)
+        return retry.increment(failed=base, backoff=True)
+
+    async def _reshaped(self, prepared: Prepared, retry: Retry, response: httpx.Response) -> httpx.Response | Retry:
+        """A 400 or 413: refold a context overflow or rename a rejected role and go on at once, or
+        hand back the error (read, capped and scrubbed)."""
+        status = response.status_code
+        error_body = await self._read_error(response)
+        captured = error_body.data if error_body.decoded else b""
+        if retry.reshapes_in_time(self._clock()):
+            reshaped = self._reshape(prepared, retry, status, captured)
+            if reshaped is not None:
+                return reshaped
+        return replay(response, error_body, self._scrubber, limit=self._settings.error_body_limit)
+
+    def _reshape(self, prepared: Prepared, retry: Retry, status: int, captured: bytes) -> Retry | None:
+        """The next attempt's state if the error asks for a refold or a role rename and the body changed."""
+        overflow = match_overflow(status, captured) if prepared.refold else None
+        if overflow is not None:
+            refolded = self._refold(prepared, overflow.window, retry.attempt, status)
+            return retry.increment() if refolded else None
+        rejected = match_rejected_role(status, captured) if prepared.remap_role is not None else None
+        target = retry.role_target(rejected) if rejected is not None else None
+        if rejected is None or target is None:
+            return None
+        return retry.increment(role=target) if self._remap(prepared, rejected, target, retry.attempt) else None
 
     async def _send(self, prepared: Prepared, base: str) -> httpx.Response | _Failure:
         """One attempt up to the response headers."""
@@ -535,8 +506,8 @@ class UpstreamClient:
             return _Failure(
                 timeout=True,
                 reason=f"no response headers within {self._settings.headers_timeout:g}s",
-                # Sent whole: the upstream may be generating the answer now. (GET and HEAD are safe.)
-                retryable=request.method in ("GET", "HEAD") or not getattr(request.stream, "sent", False),
+                # Sent whole: the upstream may be generating the answer now.
+                retryable=resend_safe(request.method, body_sent=getattr(request.stream, "sent", False)),
             )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             release()
@@ -545,7 +516,7 @@ class UpstreamClient:
         except httpx.TimeoutException as exc:
             release()
             # A read timeout comes after the request was sent; a write or pool timeout before.
-            retryable = request.method in ("GET", "HEAD") or not isinstance(exc, httpx.ReadTimeout)
+            retryable = resend_safe(request.method, body_sent=isinstance(exc, httpx.ReadTimeout))
             return _Failure(timeout=True, reason=type(exc).__name__, retryable=retryable)
         except httpx.TransportError as exc:
             release()
@@ -597,13 +568,9 @@ class UpstreamClient:
         encoded = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         return httpx.Request(prepared.method, url, headers=encoded, stream=_BodyStream(prepared))
 
-    def _backoff(self, retries: int, asked: float | None) -> float:
-        """Full jitter over an exponential ceiling, or the upstream's asked wait if longer (capped)."""
-        settings = self._settings
-        delay = self._random.uniform(0, min(settings.backoff_max, settings.backoff_base * 2**retries))
-        if asked is not None:
-            delay = max(delay, min(asked, settings.retry_after_cap))
-        return delay
+    def _jitter(self, retry: Retry) -> float:
+        """Full jitter: a wait drawn from ``[0, retry.ceiling()]`` (see ``Retry.delay``)."""
+        return self._random.uniform(0, retry.ceiling())
 
     async def _read_error(self, response: httpx.Response) -> ErrorBody:
         """Up to ``error_body_limit`` bytes of an error body, decoded with bounds, each read bounded
@@ -620,15 +587,7 @@ class UpstreamClient:
         self._emit(AttemptEvent("refold", attempt, status, f"context overflow, window {window}"))
         return True
 
-    def _remap(self, prepared: Prepared, rejected: str, tried: set[str], attempt: int) -> bool:
-        # The ladder: an instruction role the upstream rejects moves to system, then to user.
-        if rejected == "developer" and "system" not in tried:
-            target = "system"
-        elif rejected in ("developer", "system") and "user" not in tried:
-            target = "user"
-        else:
-            return False
-        tried.add(target)
+    def _remap(self, prepared: Prepared, rejected: str, target: str, attempt: int) -> bool:
         body = prepared.remap_role(rejected, target) if prepared.remap_role is not None else None
         if body is None or body == prepared.body:
             return False
