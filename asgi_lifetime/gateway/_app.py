@@ -81,7 +81,7 @@ def create_app(
         settings=settings,
         client=client,
         transport=transport,
-        counters=lifetime.counters,
+        lifetime=lifetime,
         listener=lambda event: _fan_out(listeners, event),
     )
     metrics = GatewayMetrics(stats=lifetime.stats, describe_upstreams=upstream.describe)

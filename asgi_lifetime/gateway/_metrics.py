@@ -278,7 +278,7 @@ class GatewayMetrics:
 
     ```python
     metrics = GatewayMetrics(stats=lifetime.stats, describe_upstreams=upstream.describe)
-    upstream = UpstreamClient(settings=settings, counters=lifetime.counters, listener=metrics.on_attempt)
+    upstream = UpstreamClient(settings=settings, lifetime=lifetime, listener=metrics.on_attempt)
     await record_outcome(metrics, outcome)          # at the end of each response
     app.routes.append(make_metrics_route(metrics))  # GET /metrics
     ```

@@ -30,6 +30,7 @@ import anyio
 import httpx
 
 from .._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from .._middleware import Lifetime
 from .._settings import LifetimeSettings
 from .._stats import Counters
 from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber
@@ -282,7 +283,7 @@ class UpstreamClient:
         base_url: str | Sequence[str] | None = None,
         client: httpx.AsyncClient | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
-        counters: Counters | None = None,
+        lifetime: Lifetime | None = None,
         listener: Callable[[AttemptEvent], None] | None = None,
     ) -> None:
         if client is not None and transport is not None:
@@ -325,7 +326,8 @@ class UpstreamClient:
             for name in ("accept", "accept-encoding", "user-agent"):
                 del client.headers[name]
         self._client = client
-        self._counters = counters if counters is not None else Counters()
+        # Retries and refolds count toward the middleware's stats when it is given.
+        self._counters = lifetime.counters if lifetime is not None else Counters()
         self._listener = listener
         # Seams for tests: how to wait, what time it is, where jitter comes from.
         self._sleep: Callable[[float], Awaitable[None]] = anyio.sleep

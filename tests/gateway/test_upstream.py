@@ -16,7 +16,7 @@ import httpx
 import pytest
 import respx
 
-from asgi_lifetime import _json
+from asgi_lifetime import Lifetime, _json
 from asgi_lifetime._exceptions import UpstreamTimeout, UpstreamUnreachable
 from asgi_lifetime._fingerprint import fingerprint
 from asgi_lifetime._resources import RequestResources
@@ -172,10 +172,11 @@ async def test_success_settles_once_before_returning_an_open_response() -> None:
 @pytest.mark.parametrize("status", [429, 502, 503, 504, 529])
 async def test_retryable_status_then_success(status: int) -> None:
     recorder = Recorder()
-    counters = Counters()
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
     with respx.mock(base_url=BASE, assert_all_called=True) as router:
         route = router.post(PATH).mock(side_effect=[httpx.Response(status), httpx.Response(200, json=OK)])
-        async with make_upstream(recorder, counters=counters) as upstream:
+        async with make_upstream(recorder, lifetime=lifetime) as upstream:
             response = await upstream.forward(simple(), on_retries_settled=recorder.on_settled)
             await response.aclose()
     assert response.status_code == 200
@@ -330,12 +331,13 @@ async def test_backoff_is_exponential_full_jitter_up_to_backoff_max() -> None:
 
 async def test_max_attempts_returns_the_last_status_response_open() -> None:
     recorder = Recorder()
-    counters = Counters()
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
     with respx.mock(base_url=BASE, assert_all_called=True) as router:
         route = router.post(PATH).mock(
             side_effect=[httpx.Response(503, content=f"busy {n}".encode()) for n in range(1, 4)]
         )
-        async with make_upstream(recorder, make_settings(max_attempts=3), counters=counters) as upstream:
+        async with make_upstream(recorder, make_settings(max_attempts=3), lifetime=lifetime) as upstream:
             response = await upstream.forward(simple(), on_retries_settled=recorder.on_settled)
             assert not response.is_closed
             assert await response.aread() == b"busy 3"
@@ -387,11 +389,12 @@ async def test_exhausted_transport_errors_raise(
     error: Exception, raised: type[UpstreamTimeout | UpstreamUnreachable], code: int
 ) -> None:
     recorder = Recorder()
-    counters = Counters()
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
     body = b'{"prompt": "secret-body-text"}'
     with respx.mock(base_url=BASE, assert_all_called=True) as router:
         route = router.post(PATH).mock(side_effect=error)
-        async with make_upstream(recorder, make_settings(max_attempts=3), counters=counters) as upstream:
+        async with make_upstream(recorder, make_settings(max_attempts=3), lifetime=lifetime) as upstream:
             with pytest.raises(raised) as info:
                 await upstream.forward(simple(body), on_retries_settled=recorder.on_settled)
     assert route.call_count == 3 and counters.retried == 2 and recorder.settled == 1
@@ -421,13 +424,14 @@ async def test_headers_timeout_is_enforced_per_attempt() -> None:
 
 async def test_overflow_refolds_and_sends_a_smaller_body() -> None:
     recorder = Recorder()
-    counters = Counters()
+    lifetime = Lifetime(LifetimeSettings())
+    counters = lifetime.counters
     prepared = await chat(conversation())
     first = prepared.body
     assert first is not None
     with respx.mock(base_url=BASE, assert_all_called=True) as router:
         route = router.post(PATH).mock(side_effect=[httpx.Response(400, json=OVERFLOW), httpx.Response(200, json=OK)])
-        async with make_upstream(recorder, counters=counters) as upstream:
+        async with make_upstream(recorder, lifetime=lifetime) as upstream:
             response = await upstream.forward(prepared, on_retries_settled=recorder.on_settled)
             await response.aclose()
     assert response.status_code == 200
