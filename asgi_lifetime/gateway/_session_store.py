@@ -394,26 +394,31 @@ class RedisSessionBook(SessionBook):
                 await anyio.sleep_forever()
             conn = self._conn = _Conn(_connect(self._url, self._timeout))
             send, receive = anyio.create_memory_object_stream[_Op](_QUEUE_SIZE)
-            try:
-                with send, receive:
+            with send, receive:  # closed after _leave has read what is left in the queue
+                try:
                     await self._check(conn)
                     self._send = send
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._write, conn, receive)
                         tg.start_soon(self._keep_leases, conn)
                         task_status.started()
-            finally:
-                self._send = None
-                with anyio.CancelScope(shield=True):
-                    await self._leave(conn, receive)
-                    with anyio.move_on_after(self._timeout):
-                        await conn.client.aclose()
+                finally:
+                    self._send = None
+                    with anyio.CancelScope(shield=True):
+                        await self._leave(conn, receive)
+                        with anyio.move_on_after(self._timeout):
+                            await conn.client.aclose()
         finally:
             self._state, self._conn = "idle", None
+            # Requests that outlive the lifespan release here afterwards: expected, not worth a warning.
+            self._idle_warned = True
 
     async def _write(self, conn: _Conn, receive: MemoryObjectReceiveStream[_Op]) -> None:
         async for op in receive:
-            await self._apply(conn, op)
+            # An operation taken is finished even when the lifespan ends meanwhile: each of its calls is
+            # bounded, and a record cut in half would be lost (or its on_change claimed and never run).
+            with anyio.CancelScope(shield=True):
+                await self._apply(conn, op)
 
     async def _apply(self, conn: _Conn, op: _Op) -> None:
         if self._state != "up":

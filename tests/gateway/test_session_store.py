@@ -508,6 +508,27 @@ async def test_a_full_queue_settles_in_memory_without_waiting(
         await until(lambda: len(changes.calls) == 5)
 
 
+@ASYNCIO
+async def test_stopping_writes_what_is_queued_and_removes_its_leases(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    changes = Changes()
+    subject, observer = book(server.url, changes.of("a")), book(server.url)
+    async with started(observer):
+        async with started(subject):
+            release = subject.pin("s")
+            await until(lambda: _leases_are(observer, "s", 1))
+            for _ in range(3):
+                subject.record(outcome("s", "a"))
+            # No await since: the task has taken none of them when the lifespan ends.
+        assert await requests_in_redis(observer, "s") == 3
+        assert len(changes.calls) == 1
+        assert await observer.live_leases("s") == 0  # a stopped process leaves no pin, even one still held
+        release()  # the request settles after the lifespan: nothing to say about it
+    assert transitions(caplog) == []
+    assert subject.pinned == 0
+
+
 # --- trio, no lifespan, the package without redis ------------------------------------------------
 
 
