@@ -146,6 +146,15 @@ def _parse_lower(text: str) -> str:
     return text.strip().lower()
 
 
+def _session_store(value: Any) -> str | None:
+    if value == "memory":
+        return None
+    parts = urlsplit(value)
+    if parts.scheme in ("redis", "rediss") and parts.hostname:
+        return None
+    return "must be memory or a redis:// or rediss:// URL with a host"
+
+
 def _keys(value: Any) -> str | None:
     return "keys must not be empty" if any(not k for k in value) else None
 
@@ -194,6 +203,28 @@ SETTINGS: dict[str, SettingSpec] = {
             "Longest session id accepted (longer: 400); sessions are kept by a 16-byte digest.",
         ),
         SettingSpec("bookkeeping_sessions", _parse_int, _at_least_one, "Sessions kept by the default bookkeeper."),
+        SettingSpec(
+            "session_store",
+            _parse_str,
+            _session_store,
+            "Where the session book lives: memory (this process) or a redis:// / rediss:// URL shared by every "
+            "replica (needs the redis extra).",
+        ),
+        SettingSpec(
+            "session_ttl", _parse_float, _positive, "Seconds a session stays in a shared store after its last request."
+        ),
+        SettingSpec(
+            "session_lease",
+            _parse_float,
+            _positive,
+            "Seconds a replica's session pin outlives it in a shared store if it dies (renewed every third of it).",
+        ),
+        SettingSpec(
+            "session_store_timeout",
+            _parse_float,
+            _positive,
+            "Seconds one call to a shared store may take before bookkeeping falls back to this process's book.",
+        ),
         SettingSpec("error_body_limit", _parse_size, _positive, "Bytes of an upstream error body buffered."),
         # Operating the gateway.
         SettingSpec(
@@ -257,6 +288,10 @@ class LifetimeSettings:
     session_header: str = "x-session-id"
     max_session_id_bytes: int = 256
     bookkeeping_sessions: int = 10_000
+    session_store: str = field(default="memory", repr=False)  # a URL may carry a password: shown redacted
+    session_ttl: float = 86_400.0
+    session_lease: float = 15.0
+    session_store_timeout: float = 0.25
     error_body_limit: int = 64 * KiB
 
     upstream_api_key: str | None = field(default=None, repr=False)
@@ -288,6 +323,11 @@ class LifetimeSettings:
             raise ValueError(
                 f"{ENV_PREFIX}MAX_INFLIGHT_BYTES={self.max_inflight_bytes} is invalid: "
                 f"must be at least MAX_BODY_BYTES ({self.max_body_bytes}) so one request can always be admitted"
+            )
+        if self.session_store_timeout * 2 > self.session_lease:
+            raise ValueError(
+                f"{ENV_PREFIX}SESSION_STORE_TIMEOUT={self.session_store_timeout:g} is invalid: must be at most half "
+                f"of SESSION_LEASE ({self.session_lease:g}), so a lease is renewed before it runs out"
             )
         if self.backoff_max < self.backoff_base:
             raise ValueError(
@@ -431,6 +471,8 @@ def _type_problem(name: str, value: Any) -> str | None:
 def _show(spec: SettingSpec, value: Any) -> str:
     if spec.secret:
         return "***" if value else "(unset)"
+    if spec.name == "session_store" and isinstance(value, str):
+        return redact_url(value)
     if spec.name == "upstream_url" and isinstance(value, tuple):
         return ",".join(redact_url(v) if isinstance(v, str) else str(v) for v in value)
     if isinstance(value, tuple):

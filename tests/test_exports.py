@@ -60,6 +60,7 @@ GATEWAY = [
     "Outcome",
     "Prepared",
     "Preparer",
+    "RedisSessionBook",
     "Refold",
     "RemapRole",
     "SessionBook",

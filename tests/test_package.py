@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-EXTRAS = ("httpx", "httpcore", "h11", "prometheus_client", "rich", "psutil", "uvicorn")
+EXTRAS = ("httpx", "httpcore", "h11", "prometheus_client", "rich", "psutil", "uvicorn", "redis")
 
 # Run first in the child: record every process-wide hook the package registers from then on
 # (the standard library registers some of its own when first imported: random, threading).
@@ -75,6 +75,36 @@ def test_the_core_imports_none_of_the_extras() -> None:
         print(json.dumps(sorted(m for m in sys.modules if m.partition(".")[0] in {EXTRAS!r})))
     """)
     assert report == []  # type: ignore[comparison-overlap]
+
+
+def test_the_gateway_imports_redis_only_to_use_it() -> None:
+    report = child_report("""
+        import json, sys
+        import asgi_lifetime.gateway
+        from asgi_lifetime import LifetimeSettings
+        from asgi_lifetime.gateway import create_app
+        create_app(LifetimeSettings(upstream_url=("http://127.0.0.1:9",)))
+        print(json.dumps(sorted(m for m in sys.modules if m.partition(".")[0] == "redis")))
+    """)
+    assert report == []  # type: ignore[comparison-overlap]
+
+
+def test_a_redis_session_store_without_the_redis_extra_says_what_to_install() -> None:
+    blocked = ("redis",)
+    result = run(
+        BLOCK.replace(repr(EXTRAS), repr(blocked))
+        + """
+from asgi_lifetime import LifetimeSettings
+from asgi_lifetime.gateway import create_app
+try:
+    create_app(LifetimeSettings(upstream_url=("http://127.0.0.1:9",), session_store="redis://u:pw@127.0.0.1:6379/0"))
+except ModuleNotFoundError as exc:
+    print(exc)
+"""
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'asgi-lifetime[redis]'" in result.stdout
+    assert "pw" not in result.stdout
 
 
 def test_the_middleware_works_without_the_extras() -> None:

@@ -241,6 +241,13 @@ INVALID_STRINGS = [
     ("session_header", "x:y"),
     ("session_header", ""),
     ("bookkeeping_sessions", "0"),
+    ("session_store", "redis"),
+    ("session_store", "redis://"),
+    ("session_store", "http://cache:6379"),
+    ("session_store", "Memory "),
+    ("session_ttl", "0"),
+    ("session_lease", "-1"),
+    ("session_store_timeout", "0"),
     ("error_body_limit", "0"),
     ("upstream_cooloff", "-1"),
     ("shutdown_grace", "-1"),
@@ -369,6 +376,20 @@ def test_backoff_max_below_base() -> None:
     message = str(info.value)
     assert message.startswith("ASGI_LIFETIME_BACKOFF_MAX=1.5 is invalid")
     assert "BACKOFF_BASE (2)" in message
+
+
+@pytest.mark.parametrize("store", ["memory", "redis://127.0.0.1:6379/0", "rediss://user:pw@cache.internal:6380/2"])
+def test_session_store_accepts_memory_and_redis_urls(store: str) -> None:
+    assert LifetimeSettings.from_mapping({"SESSION_STORE": store}).session_store == store
+
+
+def test_session_store_timeout_is_at_most_half_the_lease() -> None:
+    with pytest.raises(ValueError) as info:
+        LifetimeSettings(session_lease=1.0, session_store_timeout=0.6)
+    message = str(info.value)
+    assert message.startswith("ASGI_LIFETIME_SESSION_STORE_TIMEOUT=0.6 is invalid")
+    assert "SESSION_LEASE (1)" in message
+    assert LifetimeSettings(session_lease=1.0, session_store_timeout=0.5).session_store_timeout == 0.5
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,6 +143,8 @@ def format_value(spec: SettingSpec, value: Any) -> str:
         return "***" if value else "(unset)"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if spec.name == "session_store" and isinstance(value, str):
+        return redact_url(value)  # a Redis URL may carry a password
     if spec.parse is _parse_size and isinstance(value, int):
         for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
             if value >= size and value % size == 0:

@@ -9,7 +9,8 @@ Run it configured only by the environment:
 
     ASGI_LIFETIME_UPSTREAM_URL=http://127.0.0.1:8000 uvicorn --factory asgi_lifetime.gateway:create_app
 
-Needs the ``gateway`` extra: ``pip install 'asgi-lifetime[gateway]'``.
+Needs the ``gateway`` extra: ``pip install 'asgi-lifetime[gateway]'`` (and for a session store in
+Redis, ``SESSION_STORE=redis://...``, the ``redis`` extra).
 """
 
 from .._publish import publish as _publish
@@ -20,6 +21,7 @@ from ._bookkeeping import Bookkeeper, Outcome, SessionBook, SessionEntry
 from ._metrics import GatewayMetrics
 from ._prepare import Draft, Prepared, Preparer
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
+from ._session_store import RedisSessionBook
 from ._upstream import AttemptEvent, UpstreamClient
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "Outcome",
     "Prepared",
     "Preparer",
+    "RedisSessionBook",
     "Refold",
     "RemapRole",
     "SessionBook",

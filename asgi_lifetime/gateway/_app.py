@@ -31,15 +31,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .._exceptions import LifetimeError, error_body, error_shape
+from .._fingerprint import Fingerprint
 from .._middleware import Lifetime, LifetimeMiddleware
 from .._settings import LifetimeSettings
 from ._access_log import AccessLog
 from ._auth import GatewayAuth
-from ._bookkeeping import Bookkeeper, SessionBook
+from ._bookkeeping import Bookkeeper
 from ._forward import Forwarder
 from ._metrics import GatewayMetrics, make_metrics_route
 from ._prepare import Preparer
 from ._refold import Conversation, Refold, default_refold
+from ._session_store import RedisSessionBook, make_session_book
 from ._shutdown import grace_starts_at, shutdown_requested
 from ._upstream import AttemptEvent, UpstreamClient
 
@@ -60,6 +62,7 @@ def create_app(
     transport: httpx.AsyncBaseTransport | None = None,
     listener: Callable[[AttemptEvent], None] | None = None,
     refold_factory: Callable[[Conversation], Refold] = default_refold,
+    on_change: Callable[[str, Fingerprint], None] | None = None,
 ) -> Starlette:
     """Build the gateway app.
 
@@ -68,14 +71,16 @@ def create_app(
     the in-memory ``SessionBook``; the access log and metrics get them too). ``client`` /
     ``transport``: your own httpx client or transport for the upstream. ``listener`` sees every
     retry, refold, role remap and settle event. ``refold_factory`` builds the context-overflow
-    refold from a request's conversation (default: drop the oldest turns).
+    refold from a request's conversation (default: drop the oldest turns). ``on_change(session_id,
+    fingerprint)`` runs when a session's wire hash changes (once in the fleet with
+    ``SESSION_STORE=redis://...``; see docs/deploy.md).
     """
     if settings is None:
         settings = LifetimeSettings.from_environ()
     if settings.upstream_api_key and not settings.gateway_keys:
         logger.warning("an upstream key is set and no gateway keys: only loopback clients will be served")
     lifetime = Lifetime(settings)
-    book = SessionBook(max_sessions=settings.bookkeeping_sessions, lifetime=lifetime)
+    book = make_session_book(settings, lifetime=lifetime, on_change=on_change)
     listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]
     upstream = UpstreamClient(
         settings=settings,
@@ -84,7 +89,7 @@ def create_app(
         lifetime=lifetime,
         listener=lambda event: _fan_out(listeners, event),
     )
-    metrics = GatewayMetrics(stats=lifetime.stats, describe_upstreams=upstream.describe)
+    metrics = GatewayMetrics(stats=lifetime.stats, describe_upstreams=upstream.describe, session_store=book.store_state)
     listeners.append(metrics.on_attempt)
     drain = _Drain(lifetime)
     forwarder = Forwarder(
@@ -126,6 +131,8 @@ def create_app(
                 # Created here, in the loop that serves requests (an Event belongs to one loop).
                 forwarder.stop = drain.stop = anyio.Event()
                 tg.start_soon(drain.watch)
+                if isinstance(book, RedisSessionBook):
+                    await tg.start(book.run)  # waits at most SESSION_STORE_TIMEOUT for Redis
                 try:
                     yield {}
                 finally:

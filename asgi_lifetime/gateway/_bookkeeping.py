@@ -47,6 +47,7 @@ __all__ = [
     "Outcome",
     "SessionBook",
     "SessionEntry",
+    "StoreState",
     "record_outcome",
     "session_key",
 ]
@@ -177,6 +178,18 @@ class SessionEntry:
     """The wire hash ``on_change`` last completed for; ``None`` until it has once."""
 
 
+@dataclass(frozen=True, slots=True)
+class StoreState:
+    """Where a session book keeps its sessions right now, for the metrics."""
+
+    up: bool
+    """True while sessions are kept in the configured store (always, for the in-memory book)."""
+    fallbacks: int
+    """Times the book fell back to this process's memory because its shared store was unusable."""
+    local_records: int
+    """Records this process's memory decided alone in place of the shared store."""
+
+
 class _Unpin:
     """The idempotent release returned by ``SessionBook.pin``."""
 
@@ -283,6 +296,14 @@ class SessionBook:
         session_id = outcome.session_id
         if session_id is None:
             return
+        self._sync(session_id, outcome.fingerprint, self._update(session_id, outcome))
+
+    def store_state(self) -> StoreState:
+        """The session store's health for the metrics: this book is its own store, always up."""
+        return StoreState(up=True, fallbacks=0, local_records=0)
+
+    def _update(self, session_id: str, outcome: Outcome) -> SessionEntry:
+        """Store the outcome's scalars in the session's entry (made most recently used); ``on_change`` aside."""
         fp = outcome.fingerprint
         key = session_key(session_id)
         entry = self._entries.get(key)
@@ -298,6 +319,10 @@ class SessionBook:
         entry.last_outcome = outcome.outcome
         entry.last_seen = outcome.ended
         self._evict(keep=key)
+        return entry
+
+    def _sync(self, session_id: str, fp: Fingerprint, entry: SessionEntry) -> None:
+        """This process decides: run ``on_change`` unless it last completed for this wire hash."""
         if entry.synced_hash == fp.wire_hash:
             return
         self.recomputations += 1

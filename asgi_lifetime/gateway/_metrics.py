@@ -75,7 +75,7 @@ from starlette.routing import Route
 
 from .._stats import LifetimeStats
 from ._access_log import public_url
-from ._bookkeeping import OUTCOMES, Outcome
+from ._bookkeeping import OUTCOMES, Outcome, StoreState
 from ._upstream import AttemptEvent
 
 if TYPE_CHECKING:
@@ -123,6 +123,16 @@ _TOTALS: Final = (
     ("starvations", "starved", "Upstream streams that ended with no output or no terminal event (re-issued or not)."),
     ("stalls", "stalled", "Upstream streams that sent nothing for the stall timeout."),
 )  # fmt: skip
+# The session store (``SESSION_STORE``): (name without prefix, help).
+_STORE_UP: Final = (
+    "session_store_up",
+    "1 while sessions are kept in the configured store, 0 on this process's memory.",
+)
+_STORE_FALLBACKS: Final = ("session_store_fallbacks", "Times bookkeeping fell back from the session store to memory.")
+_STORE_LOCAL: Final = (
+    "session_store_local_records",
+    "Records decided in this process's memory in place of the session store.",
+)
 _UPSTREAM_INFLIGHT: Final = ("upstream_inflight", "Attempts in flight on the upstream.")
 _UPSTREAM_DOWN: Final = ("upstream_down", "1 while the upstream is cooling off after a failed connect, else 0.")
 _UPSTREAM_ATTEMPTS: Final = ("upstream_attempts", "Attempts sent to the upstream.")
@@ -236,24 +246,36 @@ class _RequestMetrics:
         self.duration = Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, registry=registry)
 
 
+def _store_families(state: StoreState | None) -> Iterator[Metric]:
+    yield GaugeMetricFamily(PREFIX + _STORE_UP[0], _STORE_UP[1], value=None if state is None else int(state.up))
+    for (name, doc), value in ((_STORE_FALLBACKS, "fallbacks"), (_STORE_LOCAL, "local_records")):
+        yield CounterMetricFamily(PREFIX + name, doc, value=None if state is None else getattr(state, value))
+
+
 class _LiveStateCollector:
-    """One process: the live state read from ``stats()`` and ``describe()`` at scrape time."""
+    """One process: the live state read from ``stats()``, ``describe()`` and the store at scrape time."""
 
     def __init__(
         self,
         stats: Callable[[], LifetimeStats],
         describe_upstreams: Callable[[], list[dict[str, object]]],
         labels: _UpstreamLabels,
+        session_store: Callable[[], StoreState] | None,
     ) -> None:
         self._stats = stats
         self._describe = describe_upstreams
         self._labels = labels
+        self._store = session_store
 
     def describe(self) -> Iterable[Metric]:
-        return self._families(None, {})
+        yield from self._families(None, {})
+        if self._store is not None:
+            yield from _store_families(None)
 
     def collect(self) -> Iterable[Metric]:
-        return self._families(self._stats(), _upstream_views(self._describe, self._labels))
+        yield from self._families(self._stats(), _upstream_views(self._describe, self._labels))
+        if self._store is not None:
+            yield from _store_families(self._store())
 
     @staticmethod
     def _families(stats: LifetimeStats | None, views: dict[str, _UpstreamView]) -> Iterator[Metric]:
@@ -286,7 +308,8 @@ class GatewayMetrics:
     ``registry``: where the metrics are registered (default: a new ``CollectorRegistry`` of
     this instance). With ``PROMETHEUS_MULTIPROC_DIR`` set it gets a ``MultiProcessCollector``
     instead (see the module docstring), and ``sync_interval`` is how often, in seconds, this
-    worker copies its counters to the shared files.
+    worker copies its counters to the shared files. ``session_store``: the session book's
+    ``store_state`` (``create_app`` passes it), for the ``session_store_*`` metrics.
     """
 
     def __init__(
@@ -296,6 +319,7 @@ class GatewayMetrics:
         describe_upstreams: Callable[[], list[dict[str, object]]],
         registry: CollectorRegistry | None = None,
         sync_interval: float = 1.0,
+        session_store: Callable[[], StoreState] | None = None,
     ) -> None:
         if not (isinstance(sync_interval, (int, float)) and 0 < sync_interval < float("inf")):
             raise ValueError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
@@ -309,7 +333,7 @@ class GatewayMetrics:
             self._directory = ""
             self._labels = _UpstreamLabels()
             self._metrics = _RequestMetrics(self.registry)
-            self.registry.register(_LiveStateCollector(stats, describe_upstreams, self._labels))
+            self.registry.register(_LiveStateCollector(stats, describe_upstreams, self._labels, session_store))
             return
         if not directory or not os.path.isdir(directory):
             raise ValueError(f"{MULTIPROC_DIR_ENV} must name an existing directory, got {directory!r}")
@@ -326,7 +350,7 @@ class GatewayMetrics:
         self._labels = process.labels
         self._metrics = process.metrics
         _multiprocess.SharedFilesCollector(self.registry, directory)
-        source = _multiprocess.Source(stats, describe_upstreams)
+        source = _multiprocess.Source(stats, describe_upstreams, session_store)
         process.add(source, float(sync_interval))
         # Final totals and gauges out at close(), garbage collection or interpreter exit.
         self._finalizer = weakref.finalize(self, _multiprocess.retire, process, source)

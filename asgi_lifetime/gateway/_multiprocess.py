@@ -20,8 +20,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from .._stats import LifetimeStats
+from ._bookkeeping import StoreState
 from ._metrics import (
     _GAUGES,
+    _STORE_FALLBACKS,
+    _STORE_LOCAL,
+    _STORE_UP,
     _TOTALS,
     _UPSTREAM_ATTEMPTS,
     _UPSTREAM_DOWN,
@@ -42,7 +46,17 @@ logger = logging.getLogger(__name__)
 class _Mirror:
     """Several workers: the live state as multiprocess ``Gauge`` / ``Counter`` objects."""
 
-    __slots__ = ("gauges", "totals", "upstream_inflight", "upstream_down", "upstream_attempts", "upstream_failures")
+    __slots__ = (
+        "gauges",
+        "totals",
+        "upstream_inflight",
+        "upstream_down",
+        "upstream_attempts",
+        "upstream_failures",
+        "store_up",
+        "store_fallbacks",
+        "store_local",
+    )
 
     def __init__(self) -> None:
         self.gauges = {
@@ -57,16 +71,29 @@ class _Mirror:
         self.upstream_attempts = Counter(PREFIX + name, doc, ["upstream"], registry=None)
         name, doc = _UPSTREAM_FAILURES
         self.upstream_failures = Counter(PREFIX + name, doc, ["upstream"], registry=None)
+        # The store is up only if it is up in every live worker: one on its own memory is down.
+        name, doc = _STORE_UP
+        self.store_up = Gauge(PREFIX + name, doc, registry=None, multiprocess_mode="livemin")
+        name, doc = _STORE_FALLBACKS
+        self.store_fallbacks = Counter(PREFIX + name, doc, registry=None)
+        name, doc = _STORE_LOCAL
+        self.store_local = Counter(PREFIX + name, doc, registry=None)
 
 
 class Source:
     """One ``GatewayMetrics``' live state, as the process-wide mirror sees it (no reference back)."""
 
-    __slots__ = ("stats", "describe", "synced", "upstreams", "__weakref__")
+    __slots__ = ("stats", "describe", "store", "synced", "upstreams", "__weakref__")
 
-    def __init__(self, stats: Callable[[], LifetimeStats], describe: Callable[[], list[dict[str, object]]]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], LifetimeStats],
+        describe: Callable[[], list[dict[str, object]]],
+        store: Callable[[], StoreState] | None = None,
+    ) -> None:
         self.stats = stats
         self.describe = describe
+        self.store = store
         self.synced: dict[tuple[str, str], int] = {}
         """The value of each total at the last copy; the mirror counters advance by the difference."""
         self.upstreams: dict[str, _UpstreamView] = {}
@@ -148,7 +175,10 @@ class Process:
             gauges = dict.fromkeys(self.mirror.gauges, 0)
             inflight: dict[str, int] = {}
             down: dict[str, int] = {}
+            store_up: int | None = None
             for source in list(self.sources):
+                if source.store is not None:
+                    store_up = min(1 if store_up is None else store_up, int(source.store().up))
                 stats = source.stats()
                 for name, field, _ in _GAUGES:
                     gauges[name] += getattr(stats, field)
@@ -158,6 +188,8 @@ class Process:
                     down[label] = max(down.get(label, 0), 1 if view.down else 0)
             for name, value in gauges.items():
                 self.mirror.gauges[name].set(value)
+            if store_up is not None:
+                self.mirror.store_up.set(store_up)
             self.seen_upstreams.update(inflight)
             for label in self.seen_upstreams:  # an upstream no instance reports any more goes to 0
                 self.mirror.upstream_inflight.labels(upstream=label).set(inflight.get(label, 0))
@@ -173,6 +205,10 @@ class Process:
         except Exception:
             logger.debug("describe_upstreams failed; keeping its last answer", exc_info=True)
         mirror = self.mirror
+        if source.store is not None:
+            state = source.store()
+            source.advance(mirror.store_fallbacks, ("session_store_fallbacks", ""), state.fallbacks)
+            source.advance(mirror.store_local, ("session_store_local_records", ""), state.local_records)
         for label, view in source.upstreams.items():
             source.advance(mirror.upstream_attempts.labels(upstream=label), ("upstream_attempts", label), view.attempts)
             source.advance(mirror.upstream_failures.labels(upstream=label), ("upstream_failures", label), view.failures)

@@ -57,6 +57,13 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "session_header": ("x-conversation", "x-conversation"),
     "max_session_id_bytes": ("1KiB", KiB),
     "bookkeeping_sessions": ("100", 100),
+    "session_store": (
+        "rediss://gw:REDISPASSWORD@redis.internal:6380/1",
+        "rediss://gw:REDISPASSWORD@redis.internal:6380/1",
+    ),
+    "session_ttl": ("3600", 3600.0),
+    "session_lease": ("6", 6.0),
+    "session_store_timeout": ("0.5", 0.5),
     "error_body_limit": ("8KiB", 8 * KiB),
     "upstream_api_key": (SECRET, SECRET),
     "upstream_auth": ("X-API-Key", "x-api-key"),
@@ -283,6 +290,16 @@ def test_settings_report_has_sources_and_masks_secrets(
     assert rows[f"{ENV_PREFIX}GATEWAY_KEYS"] == ["***", "env", "file", "prod.env"]
     assert rows[f"{ENV_PREFIX}MAX_ATTEMPTS"] == ["4", "default"]
     assert SECRET not in out and "gk-secret" not in out
+
+
+def test_the_settings_report_masks_the_session_store_password(capsys: pytest.CaptureFixture[str]) -> None:
+    url = "rediss://gw:REDISPASSWORD@redis.internal:6380/1"
+    assert main(["settings", "--session-store", url]) == 0
+    out = capsys.readouterr().out
+    assert "rediss://gw:***@redis.internal:6380/1" in out and "REDISPASSWORD" not in out
+    with pytest.raises(ValueError, match=r"SESSION_STORE=http://gw:\*\*\*@redis:1 is invalid") as excinfo:
+        LifetimeSettings(session_store="http://gw:REDISPASSWORD@redis:1")
+    assert "REDISPASSWORD" not in str(excinfo.value)
 
 
 def test_settings_markdown_is_the_table_in_the_operators_guide(capsys: pytest.CaptureFixture[str]) -> None:

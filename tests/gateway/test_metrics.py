@@ -20,7 +20,7 @@ from starlette.applications import Starlette
 from asgi_lifetime._fingerprint import Fingerprint
 from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway import _metrics, _multiprocess
-from asgi_lifetime.gateway._bookkeeping import Bookkeeper, Outcome, record_outcome
+from asgi_lifetime.gateway._bookkeeping import Bookkeeper, Outcome, StoreState, record_outcome
 from asgi_lifetime.gateway._metrics import (
     CONTENT_TYPE,
     LATENCY_BUCKETS,
@@ -190,6 +190,20 @@ def test_gauges_are_read_at_scrape_time() -> None:
     s = parse(metrics.render()[0])
     assert value(s, "inflight_requests") == 3
     assert value(s, "admission_rejections_total") == 2
+
+
+def test_session_store_state_is_read_at_scrape_time() -> None:
+    state = StoreState(up=True, fallbacks=0, local_records=0)
+    metrics = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list, session_store=lambda: state)
+    s = parse(metrics.render()[0])
+    assert (value(s, "session_store_up"), value(s, "session_store_fallbacks_total")) == (1, 0)
+    assert value(s, "session_store_local_records_total") == 0
+    state = StoreState(up=False, fallbacks=2, local_records=5)
+    s = parse(metrics.render()[0])
+    assert (value(s, "session_store_up"), value(s, "session_store_fallbacks_total")) == (0, 2)
+    assert value(s, "session_store_local_records_total") == 5
+    without = parse(GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list).render()[0])
+    assert not [name for name, _ in without if "session_store" in name]
 
 
 def test_no_session_path_query_or_credentials_in_labels() -> None:
@@ -404,6 +418,34 @@ def test_multiprocess_two_instances_sum(make_metrics: Callable[..., GatewayMetri
     assert series(s, "upstream_inflight") == {lbl(upstream=A): 1, lbl(upstream=B): 0}
     assert series(s, "upstream_down") == {lbl(upstream=A): 0, lbl(upstream=B): 1}
     assert value(s, "requests_total", status="200", upstream=A, outcome="complete") == 4
+
+
+def test_multiprocess_session_store_is_up_only_where_every_worker_has_it(multiproc_dir: Path) -> None:
+    states = {
+        "a": StoreState(up=True, fallbacks=1, local_records=2),
+        "b": StoreState(up=False, fallbacks=3, local_records=4),
+    }
+
+    def instance(name: str) -> GatewayMetrics:
+        return GatewayMetrics(
+            stats=Counters().snapshot, describe_upstreams=list, sync_interval=60.0, session_store=lambda: states[name]
+        )
+
+    a, b = instance("a"), instance("b")
+    try:
+        s = parse(a.render()[0])
+        assert value(s, "session_store_up") == 0  # one instance on its own memory: not up
+        assert value(s, "session_store_fallbacks_total") == 4
+        assert value(s, "session_store_local_records_total") == 6
+        states["b"] = StoreState(up=True, fallbacks=3, local_records=9)
+        s = parse(a.render()[0])
+        assert value(s, "session_store_up") == 1
+        assert value(s, "session_store_local_records_total") == 11  # counters advance by the increase
+        b.close()
+        assert value(parse(a.render()[0]), "session_store_fallbacks_total") == 4  # what b counted stays
+    finally:
+        a.close()
+        b.close()
 
 
 def test_multiprocess_removes_gauges_of_dead_processes(

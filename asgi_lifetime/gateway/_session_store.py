@@ -1,0 +1,641 @@
+"""A session book shared by every replica: ``RedisSessionBook`` (``SESSION_STORE=redis://...``).
+
+One gateway process keeps its sessions in memory (``SessionBook``). Several replicas behind a
+load balancer see the same session on different processes: each would run ``on_change`` for
+the same change, and none would know that another is streaming for it. This book keeps the
+sessions in Redis, and keeps the in-memory book underneath as it always was:
+
+- **What crosses the wire: scalars only.** Per session, under a key made from the 16-byte
+  ``session_key`` digest (never the id itself), a hash of the same scalars as ``SessionEntry``:
+  wire hash, verdict, size, request and byte counts, last status, outcome and time. Each record
+  renews its ``SESSION_TTL``. Nothing of the body, raw or parsed, is ever sent.
+- **on_change once in the fleet.** The record and the wire-hash compare-and-update are one
+  server-side script: of several replicas recording the same change, exactly one is told it
+  changed, and only that one runs ``on_change``. If ``on_change`` raises, the claim is undone, so
+  the session's next record (on any replica) runs it again, as the in-memory book does. A
+  replica that dies between the claim and the end of ``on_change`` loses that run.
+- **Pins are leases.** A pin is also a member of the session's lease set in Redis, taken at
+  admission, renewed every third of ``SESSION_LEASE`` while the response streams, removed at
+  settle. A replica that dies stops renewing: its pins are gone within ``SESSION_LEASE``. While
+  a session has a lease, its entry's TTL is renewed too.
+- **The request never waits on Redis.** ``pin``, the release and ``record`` only update the
+  in-memory book and put a small operation on a bounded queue; they never await. One task per
+  book (``run``: started by the app's lifespan) writes the queue to Redis and renews the leases,
+  each call bounded by ``SESSION_STORE_TIMEOUT``. Why a queue and not an awaited call with a
+  timeout: the forwarder pins synchronously at admission and its release runs at settle, on
+  every path, cancellation included, where an await would have to be shielded and would hold
+  the request open; and a slow Redis would add its delay to every request rather than to one
+  background task.
+- **Redis slow or down: the local book.** A call that fails or takes longer than the bound
+  switches the book to its in-memory half: records are decided there (``on_change`` by this
+  process alone), one warning line says so and ``asgi_lifetime_session_store_up`` drops to 0
+  (``..._fallbacks_total`` counts the switches). The task pings meanwhile; when Redis answers
+  again, one line says so, this process's leases are written again and records go back to
+  Redis. A full queue (Redis slower than the traffic) settles that one operation locally.
+
+redis-py's asyncio client runs on asyncio only. On another event loop (trio) the book says so
+in one warning line and stays on its in-memory half.
+
+```python
+book = RedisSessionBook("redis://127.0.0.1:6379/0", max_sessions=10_000, on_change=rederive)
+async with anyio.create_task_group() as tg:
+    await tg.start(book.run)                    # connects (bounded), then writes and renews
+    unpin = book.pin("sess-1")                  # never awaits
+    book.record(outcome)
+    unpin()
+    tg.cancel_scope.cancel()                    # releases this process's leases on the way out
+```
+
+Needs the ``redis`` extra: ``pip install 'asgi-lifetime[redis]'``. Redis is imported by ``run``
+only, so importing the gateway does not import it.
+"""
+
+from __future__ import annotations
+
+import asyncio  # only to tell whether redis-py's client can run here (_on_asyncio); no asyncio calls
+import importlib.util
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .._fingerprint import Fingerprint
+from .._middleware import Lifetime
+from .._settings import LifetimeSettings, redact_url
+from ._bookkeeping import Outcome, SessionBook, SessionEntry, StoreState, session_key
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+    from redis.commands.core import AsyncScript
+
+__all__ = ["RedisSessionBook", "make_session_book"]
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX: Final = "asgi_lifetime"
+"""Every key starts with it; the session's digest is a hash tag (``{...}``), so its two keys share a slot."""
+
+# Operations waiting for the task; past this, one is settled locally (Redis is not keeping up).
+_QUEUE_SIZE: Final = 1024
+# While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
+_RETRY_INTERVAL: Final = 1.0
+
+# KEYS[1] the session's entry. ARGV: wire hash, verdict (0/1), size, bytes out, status, outcome,
+# wall-clock time, TTL in ms. Returns 1 when this call changed the synced hash (the caller runs
+# on_change), 0 when it was already that hash. One script: the compare-and-update is atomic.
+_RECORD: Final = """
+redis.call('HSET', KEYS[1], 'wire_hash', ARGV[1], 'text_comparable', ARGV[2], 'size', ARGV[3],
+           'last_status', ARGV[5], 'last_outcome', ARGV[6], 'last_seen', ARGV[7])
+redis.call('HINCRBY', KEYS[1], 'requests', 1)
+redis.call('HINCRBY', KEYS[1], 'bytes_out', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[8])
+if redis.call('HGET', KEYS[1], 'synced_hash') == ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1])
+return 1
+"""
+
+# on_change failed: give the claim back, unless another record changed it since.
+_UNCLAIM: Final = """
+if redis.call('HGET', KEYS[1], 'synced_hash') == ARGV[1] then
+  return redis.call('HDEL', KEYS[1], 'synced_hash')
+end
+return 0
+"""
+
+# KEYS: (lease set, entry) per session. ARGV: lease ms, TTL ms, then per session a count and that
+# many members. Expired members go; each member expires lease ms from the server's clock; the set
+# itself expires with its last member; a leased session's entry gets its TTL back.
+_RENEW: Final = """
+local lease, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local a = 3
+for k = 1, #KEYS, 2 do
+  local n = tonumber(ARGV[a])
+  redis.call('ZREMRANGEBYSCORE', KEYS[k], '-inf', now)
+  for i = a + 1, a + n do
+    redis.call('ZADD', KEYS[k], now + lease, ARGV[i])
+  end
+  a = a + n + 1
+  local last = redis.call('ZRANGE', KEYS[k], -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIREAT', KEYS[k], last[2])
+  end
+  redis.call('PEXPIRE', KEYS[k + 1], ttl)
+end
+return 1
+"""
+
+# KEYS[1] a lease set: the members not expired by the server's clock.
+_LIVE: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+"""
+
+
+def entry_key(key: bytes) -> str:
+    """The Redis key of a session's entry (a hash), from its ``session_key`` digest."""
+    return f"{KEY_PREFIX}:{{{key.hex()}}}:session"
+
+
+def leases_key(key: bytes) -> str:
+    """The Redis key of a session's lease set (a sorted set: member -> expiry in server ms)."""
+    return f"{KEY_PREFIX}:{{{key.hex()}}}:leases"
+
+
+@dataclass(frozen=True, slots=True)
+class _Take:
+    key: bytes
+    member: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Give:
+    key: bytes
+    member: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    session_id: str  # stays in this process (on_change gets it); Redis gets session_key's digest
+    outcome: Outcome
+    seen: float
+    """Wall-clock end of the response: the monotonic clocks of two hosts do not compare."""
+
+
+_Op = _Take | _Give | _Record
+_State = Literal["idle", "starting", "up", "down"]
+
+
+class _Conn:
+    """The client and its scripts, for as long as ``run`` runs."""
+
+    __slots__ = ("client", "record", "unclaim", "renew", "live")
+
+    def __init__(self, client: Redis) -> None:
+        self.client = client
+        self.record: AsyncScript = client.register_script(_RECORD)
+        self.unclaim: AsyncScript = client.register_script(_UNCLAIM)
+        self.renew: AsyncScript = client.register_script(_RENEW)
+        self.live: AsyncScript = client.register_script(_LIVE)
+
+
+class _Lease:
+    """The idempotent release ``RedisSessionBook.pin`` returns: the local pin, then the lease."""
+
+    __slots__ = ("_book", "_unpin", "_member")
+
+    def __init__(self, book: RedisSessionBook, unpin: Callable[[], None], member: str) -> None:
+        self._book: RedisSessionBook | None = book
+        self._unpin = unpin
+        self._member = member
+
+    def __call__(self) -> None:
+        book, self._book = self._book, None
+        if book is not None:
+            self._unpin()
+            book._end_lease(self._member)
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (the package imports redis only to use it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses it outright
+        return False
+
+
+def _on_asyncio() -> bool:
+    """redis-py's asyncio client needs asyncio's loop; under trio there is none in this thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _why(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g}s"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class RedisSessionBook(SessionBook):
+    """A ``SessionBook`` whose sessions, ``on_change`` decisions and pins are shared through Redis.
+
+    ```python
+    book = RedisSessionBook("redis://redis:6379/0", max_sessions=10_000, on_change=rederive)
+    async with anyio.create_task_group() as tg:
+        await tg.start(book.run)        # the app's lifespan does this for SESSION_STORE=redis://...
+        ...
+    ```
+
+    The same interface as ``SessionBook`` (``pin`` returns the release, ``record`` takes an
+    ``Outcome``), neither of which awaits; the in-memory entries (``get``, ``len``) are this
+    process's view, and decide alone while Redis cannot (see the module docstring). ``lookup``
+    and ``live_leases`` read what the fleet shares.
+
+    ``url``: ``redis://`` or ``rediss://`` (TLS), with ``user:password@`` and ``/db`` as redis-py
+    reads them. ``ttl``: seconds a session's entry outlives its last request or lease. ``lease``:
+    seconds a pin outlives a replica that stopped renewing it. ``timeout``: the bound on each call
+    to Redis, at most half of ``lease``.
+    """
+
+    __slots__ = (
+        "_url",
+        "_shown",
+        "_ttl_ms",
+        "_lease_ms",
+        "_timeout",
+        "_interval",
+        "_replica",
+        "_serial",
+        "_leases",
+        "_send",
+        "_conn",
+        "_state",
+        "_idle_warned",
+        "fallbacks",
+        "local_records",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_sessions: int,
+        lifetime: Lifetime | None = None,
+        on_change: Callable[[str, Fingerprint], None] | None = None,
+        ttl: float = 86_400.0,
+        lease: float = 15.0,
+        timeout: float = 0.25,
+    ) -> None:
+        super().__init__(max_sessions=max_sessions, lifetime=lifetime, on_change=on_change)
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            shown = redact_url(url) if isinstance(url, str) else repr(url)
+            raise ValueError(f"url must be a redis:// or rediss:// URL with a host, got {shown!r}")
+        for name, value in (("ttl", ttl), ("lease", lease), ("timeout", timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if timeout * 2 > lease:
+            raise ValueError(f"timeout ({timeout:g}) must be at most half of lease ({lease:g})")
+        if not _installed("redis"):
+            raise ModuleNotFoundError(
+                f"the session store {redact_url(url)} needs redis-py: pip install 'asgi-lifetime[redis]'", name="redis"
+            )
+        self._url = url
+        self._shown = redact_url(url)
+        self._ttl_ms = max(1, round(ttl * 1000))
+        self._lease_ms = max(1, round(lease * 1000))
+        self._timeout = float(timeout)
+        self._interval = lease / 3
+        self._replica = secrets.token_hex(8)  # names this process's lease members; nothing else
+        self._serial = itertools.count()
+        self._leases: dict[str, bytes] = {}  # member -> session key: this process's live pins
+        self._send: MemoryObjectSendStream[_Op] | None = None
+        self._conn: _Conn | None = None
+        self._state: _State = "idle"
+        self._idle_warned = False
+        self.fallbacks = 0
+        """Times the book switched to its in-memory half (Redis unusable, not asyncio, not started)."""
+        self.local_records = 0
+        """Records decided in memory, in place of Redis."""
+
+    @property
+    def url(self) -> str:
+        """The store's URL, any password replaced by ``***``."""
+        return self._shown
+
+    @property
+    def up(self) -> bool:
+        """True while records and pins go to Redis."""
+        return self._state == "up"
+
+    def store_state(self) -> StoreState:
+        return StoreState(up=self.up, fallbacks=self.fallbacks, local_records=self.local_records)
+
+    # --- the request path: never awaits -------------------------------------------------------------
+
+    def pin(self, session_id: str) -> Callable[[], None]:
+        """Pin ``session_id`` here and take a lease on it in Redis; returns the idempotent release."""
+        unpin = super().pin(session_id)
+        key = session_key(session_id)
+        member = f"{self._replica}:{next(self._serial)}"
+        self._leases[member] = key  # renewed by the task from now on, even if the op below is dropped
+        self._submit(_Take(key, member))
+        return _Lease(self, unpin, member)
+
+    def _end_lease(self, member: str) -> None:
+        key = self._leases.pop(member, None)
+        if key is not None:
+            self._submit(_Give(key, member))  # if dropped, the lease runs out: nobody renews it now
+
+    def record(self, outcome: Outcome) -> None:
+        session_id = outcome.session_id
+        if session_id is None:
+            return
+        entry = self._update(session_id, outcome)
+        seen = time.time() - (time.monotonic() - outcome.ended)
+        if not self._submit(_Record(session_id, outcome, seen)):
+            self.local_records += 1
+            self._sync(session_id, outcome.fingerprint, entry)
+
+    def _submit(self, op: _Op) -> bool:
+        """Queue ``op`` for the task; False if it must be settled here (Redis not up, queue full)."""
+        send = self._send
+        if self._state != "up" or send is None:
+            if self._state == "idle":
+                self._warn_idle()
+            return False
+        try:
+            send.send_nowait(op)
+        except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
+
+    def _warn_idle(self) -> None:
+        if self._idle_warned:
+            return
+        self._idle_warned = True
+        self.fallbacks += 1
+        logger.warning(
+            "session store %s is not running (RedisSessionBook.run was not started: an app mounted in another "
+            "app does not get its lifespan): sessions are kept in this process only",
+            self._shown,
+        )
+
+    # --- the task ---------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Connect (waiting at most ``timeout``), then write queued operations and renew leases until
+        cancelled; on the way out, remove this process's leases. Start it with ``tg.start``.
+
+        Never raises for Redis being unusable: the book falls back to memory and keeps trying.
+        """
+        if self._state != "idle":
+            raise RuntimeError("RedisSessionBook.run() is already running")
+        self._state = "starting"
+        try:
+            if not _on_asyncio():
+                self._fall_back("redis-py's client needs asyncio and this event loop is not asyncio")
+                task_status.started()
+                await anyio.sleep_forever()
+            conn = self._conn = _Conn(_connect(self._url, self._timeout))
+            send, receive = anyio.create_memory_object_stream[_Op](_QUEUE_SIZE)
+            with send, receive:  # closed after _leave has read what is left in the queue
+                try:
+                    await self._check(conn)
+                    self._send = send
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._write, conn, receive)
+                        tg.start_soon(self._keep_leases, conn)
+                        task_status.started()
+                finally:
+                    self._send = None
+                    with anyio.CancelScope(shield=True):
+                        await self._leave(conn, receive)
+                        with anyio.move_on_after(self._timeout):
+                            await conn.client.aclose()
+        finally:
+            self._state, self._conn = "idle", None
+            # Requests that outlive the lifespan release here afterwards: expected, not worth a warning.
+            self._idle_warned = True
+
+    async def _write(self, conn: _Conn, receive: MemoryObjectReceiveStream[_Op]) -> None:
+        async for op in receive:
+            # An operation taken is finished even when the lifespan ends meanwhile: each of its calls is
+            # bounded, and a record cut in half would be lost (or its on_change claimed and never run).
+            with anyio.CancelScope(shield=True):
+                await self._apply(conn, op)
+
+    async def _apply(self, conn: _Conn, op: _Op) -> None:
+        if self._state != "up":
+            self._settle_here(op)
+            return
+        try:
+            with anyio.fail_after(self._timeout):
+                changed = await self._send_op(conn, op)
+        except Exception as exc:  # whatever it is, Redis did not take the operation: settle it here
+            self._fall_back(_why(exc, self._timeout))
+            self._settle_here(op)
+            return
+        if isinstance(op, _Record):
+            await self._decided(conn, op, changed)
+
+    async def _send_op(self, conn: _Conn, op: _Op) -> bool:
+        if isinstance(op, _Take):
+            keys = [leases_key(op.key), entry_key(op.key)]
+            await conn.renew(keys=keys, args=[self._lease_ms, self._ttl_ms, 1, op.member])
+            return False
+        if isinstance(op, _Give):
+            await conn.client.zrem(leases_key(op.key), op.member)
+            return False
+        fp, outcome = op.outcome.fingerprint, op.outcome
+        args: list[str | int] = [
+            fp.wire_hash,
+            int(fp.text_comparable),
+            fp.size,
+            outcome.bytes_out,
+            outcome.status,
+            outcome.outcome,
+            repr(op.seen),
+            self._ttl_ms,
+        ]
+        return bool(await conn.record(keys=[entry_key(session_key(op.session_id))], args=args))
+
+    async def _decided(self, conn: _Conn, op: _Record, changed: bool) -> None:
+        """Redis took the record: run ``on_change`` if this process's record changed the synced hash."""
+        fp = op.outcome.fingerprint
+        entry = self._entries.get(session_key(op.session_id))
+        if changed:
+            self.recomputations += 1
+            if self._on_change is not None:
+                try:
+                    self._on_change(op.session_id, fp)
+                except Exception:
+                    logger.exception("on_change failed; the session's next record runs it again")
+                    await self._unclaim(conn, op)
+                    return
+        if entry is not None:
+            entry.synced_hash = fp.wire_hash  # the fleet has run on_change for it (here or elsewhere)
+
+    async def _unclaim(self, conn: _Conn, op: _Record) -> None:
+        key = entry_key(session_key(op.session_id))
+        try:
+            with anyio.fail_after(self._timeout):
+                await conn.unclaim(keys=[key], args=[op.outcome.fingerprint.wire_hash])
+        except Exception as exc:
+            self._fall_back(_why(exc, self._timeout))
+
+    def _settle_here(self, op: _Op) -> None:
+        """An operation Redis did not take. A lease: the renewals restore it (or it runs out). A record:
+        decided by the in-memory book, as the request would have had Redis been unused."""
+        if not isinstance(op, _Record):
+            return
+        self.local_records += 1
+        entry = self._entries.get(session_key(op.session_id))
+        if entry is None:
+            return  # evicted meanwhile: its next record decides
+        try:
+            self._sync(op.session_id, op.outcome.fingerprint, entry)
+        except Exception:
+            logger.exception("on_change failed; the session's next record runs it again")
+
+    async def _keep_leases(self, conn: _Conn) -> None:
+        """Renew this process's leases every third of the lease while up; while down, ask whether
+        Redis is back."""
+        while True:
+            if self._state == "up":
+                await anyio.sleep(self._interval)
+                try:
+                    with anyio.fail_after(self._timeout):
+                        await self._renew(conn)
+                except Exception as exc:
+                    self._fall_back(_why(exc, self._timeout))
+            else:
+                await anyio.sleep(min(self._interval, _RETRY_INTERVAL))
+                await self._check(conn)
+
+    async def _renew(self, conn: _Conn) -> None:
+        by_session: dict[bytes, list[str]] = {}
+        for member, key in self._leases.items():
+            by_session.setdefault(key, []).append(member)
+        if not by_session:
+            return
+        keys: list[str] = []
+        args: list[str | int] = [self._lease_ms, self._ttl_ms]
+        for key, members in by_session.items():
+            keys += [leases_key(key), entry_key(key)]
+            args += [len(members), *members]
+        await conn.renew(keys=keys, args=args)
+
+    async def _check(self, conn: _Conn) -> None:
+        """Ping (bounded); up on an answer, with this process's leases written again, else down."""
+        try:
+            with anyio.fail_after(self._timeout):
+                await conn.client.ping()
+                await self._renew(conn)  # Redis may be a new, empty one: its leases come back first
+        except Exception as exc:
+            self._fall_back(_why(exc, self._timeout))
+            return
+        if self._state == "down":
+            logger.warning("session store %s answers again: sessions are shared again", self._shown)
+        else:
+            logger.info("sessions are kept in %s", self._shown)
+        self._state = "up"
+
+    def _fall_back(self, why: str) -> None:
+        if self._state == "down":
+            return
+        self._state = "down"
+        self.fallbacks += 1
+        logger.warning(
+            "session store %s unusable (%s): sessions are kept in this process only until it answers",
+            self._shown,
+            why,
+        )
+
+    async def _leave(self, conn: _Conn, receive: MemoryObjectReceiveStream[_Op]) -> None:
+        """Stopping (shielded): write what is queued and remove this process's leases, within one bound."""
+        with anyio.move_on_after(self._timeout):
+            while self._state == "up":
+                try:
+                    op = receive.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+                await self._apply(conn, op)
+            if self._state == "up" and self._leases:
+                async with conn.client.pipeline(transaction=False) as pipe:
+                    for member, key in self._leases.items():
+                        pipe.zrem(leases_key(key), member)
+                    await pipe.execute()
+
+    # --- what the fleet shares ----------------------------------------------------------------------
+
+    async def lookup(self, session_id: str) -> SessionEntry | None:
+        """The session's entry as Redis has it (``last_seen`` in wall-clock seconds), or ``None``.
+
+        Only while ``run`` runs; raises ``TimeoutError`` past ``timeout`` and redis-py's errors.
+        """
+        conn = self._running()
+        with anyio.fail_after(self._timeout):
+            raw = await conn.client.hgetall(entry_key(session_key(session_id)))
+        if not raw:
+            return None
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        return SessionEntry(
+            wire_hash=fields["wire_hash"],
+            text_comparable=fields["text_comparable"] == "1",
+            size=int(fields["size"]),
+            requests=int(fields.get("requests", 0)),
+            bytes_out=int(fields.get("bytes_out", 0)),
+            last_status=int(fields["last_status"]),
+            last_outcome=fields["last_outcome"],
+            last_seen=float(fields["last_seen"]),
+            synced_hash=fields.get("synced_hash"),
+        )
+
+    async def live_leases(self, session_id: str) -> int:
+        """How many pins the fleet holds on ``session_id`` right now (leases not run out)."""
+        conn = self._running()
+        with anyio.fail_after(self._timeout):
+            count: Any = await conn.live(keys=[leases_key(session_key(session_id))])
+        return int(count)
+
+    def _running(self) -> _Conn:
+        if self._conn is None:
+            raise RuntimeError("RedisSessionBook.run() is not running")
+        return self._conn
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _connect(url: str, timeout: float) -> Redis:
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    # Each call is bounded by ``timeout`` here (anyio.fail_after); redis-py's own retries would only
+    # wait longer under that bound. Its socket timeouts are a backstop, later than the bound.
+    client: Redis = Redis.from_url(
+        url,
+        socket_timeout=2 * timeout,
+        socket_connect_timeout=2 * timeout,
+        retry=Retry(NoBackoff(), 0),
+        client_name="asgi-lifetime",
+    )
+    return client
+
+
+def make_session_book(
+    settings: LifetimeSettings,
+    *,
+    lifetime: Lifetime | None = None,
+    on_change: Callable[[str, Fingerprint], None] | None = None,
+) -> SessionBook:
+    """The session book ``SESSION_STORE`` asks for: in memory, or shared through Redis."""
+    if settings.session_store == "memory":
+        return SessionBook(max_sessions=settings.bookkeeping_sessions, lifetime=lifetime, on_change=on_change)
+    return RedisSessionBook(
+        settings.session_store,
+        max_sessions=settings.bookkeeping_sessions,
+        lifetime=lifetime,
+        on_change=on_change,
+        ttl=settings.session_ttl,
+        lease=settings.session_lease,
+        timeout=settings.session_store_timeout,
+    )

@@ -1,0 +1,691 @@
+"""The session book shared through Redis (``SESSION_STORE=redis://...``), against a real ``redis-server``.
+
+Each test starts its own ``redis-server`` on a free loopback port (``tests/_servers.py``): under
+``CI=true`` a missing binary fails, elsewhere these tests skip saying how to install it.
+
+redis-py's asyncio client runs on asyncio only, so the tests that talk to Redis run on asyncio;
+the trio cases check the book's documented fallback (one warning, the metric, the in-memory book).
+Several books in one process stand for several replicas: each has its own connections and task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import socket
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import anyio
+import anyio.abc
+import httpx
+import pytest
+import respx
+from redis.asyncio import Redis
+
+from asgi_lifetime import Lifetime, LifetimeSettings
+from asgi_lifetime._fingerprint import Fingerprint
+from asgi_lifetime.gateway import RedisSessionBook, SessionBook, _session_store, create_app
+from asgi_lifetime.gateway._bookkeeping import Outcome, StoreState, session_key
+from asgi_lifetime.gateway._session_store import entry_key, leases_key, make_session_book
+
+from .._servers import RedisServer, free_port, redis_server, require_binary
+from ..reliability.test_faults import CHAT, PATH, assert_idle, running
+
+pytestmark = pytest.mark.anyio
+
+ROOT = str(Path(__file__).resolve().parents[2])  # the checkout, for a replica in a child process
+
+# redis-py's client needs asyncio: the tests that talk to Redis run there only (trio: see the fallback tests).
+ASYNCIO = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+LOGGER = "asgi_lifetime.gateway._session_store"
+WAIT = 10.0  # the bound on every wait for a condition; conditions are met long before it
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with redis_server() as running_server:
+        yield running_server
+
+
+def fp(tag: str) -> Fingerprint:
+    return Fingerprint(wire_hash=(tag * 64)[:64], text_comparable=True, size=42)
+
+
+def outcome(session_id: str | None, tag: str = "a", *, bytes_out: int = 7) -> Outcome:
+    now = time.monotonic()
+    return Outcome(
+        fingerprint=fp(tag),
+        session_id=session_id,
+        path=PATH,
+        status=200,
+        bytes_out=bytes_out,
+        attempts=1,
+        upstream="http://upstream.test",
+        started=now - 1,
+        first_byte_at=now - 0.5,
+        ended=now,
+        outcome="complete",
+    )
+
+
+FENCE = "fence-"
+
+
+async def settled(*books: RedisSessionBook) -> None:
+    """Wait until every operation each book queued so far has been written and decided.
+
+    Each book's task takes its queue in order and finishes deciding one record (``on_change``
+    included) before it takes the next: once a record queued last is in Redis, the rest are done.
+    """
+    for each in books:
+        fence = f"{FENCE}{uuid.uuid4().hex}"
+        each.record(outcome(fence))
+        await until(functools.partial(_requests_are, each, fence, 1))
+
+
+class Changes:
+    """Records ``on_change`` calls of several books, by book name."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+        self.fail: set[str] = set()
+
+    def of(self, name: str) -> Callable[[str, Fingerprint], None]:
+        def on_change(session_id: str, fingerprint: Fingerprint) -> None:
+            if session_id.startswith(FENCE):
+                return
+            self.calls.append((name, session_id, fingerprint.wire_hash))
+            if name in self.fail:
+                self.fail.discard(name)
+                raise RuntimeError("on_change failed")
+
+        return on_change
+
+
+def book(url: str, on_change: Callable[[str, Fingerprint], None] | None = None, **options: Any) -> RedisSessionBook:
+    settings: dict[str, Any] = {"lease": 10.0, "timeout": 2.0, **options}
+    return RedisSessionBook(url, max_sessions=100, on_change=on_change, **settings)
+
+
+@contextlib.asynccontextmanager
+async def started(*books: RedisSessionBook) -> AsyncIterator[None]:
+    """Run each book's task as the app's lifespan would, and stop them on exit."""
+    async with anyio.create_task_group() as tg:
+        for each in books:
+            await tg.start(each.run)
+        yield
+        tg.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def redis_client(url: str) -> AsyncIterator[Redis]:
+    """A plain client of the tests' own, to look at what the books wrote."""
+    client: Redis = Redis.from_url(url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def until(condition: Callable[[], Awaitable[bool] | bool], *, seconds: float = WAIT) -> None:
+    """Wait for ``condition`` (sync or async), polling; fail after ``seconds``."""
+    with anyio.fail_after(seconds):
+        while True:
+            result = condition()
+            if not isinstance(result, bool):
+                result = await result
+            if result:
+                return
+            await anyio.sleep(0.01)
+
+
+async def requests_in_redis(observer: RedisSessionBook, session_id: str) -> int:
+    entry = await observer.lookup(session_id)
+    return 0 if entry is None else entry.requests
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def transitions(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+
+
+# --- on_change: once in the fleet ---------------------------------------------------------------
+
+
+@ASYNCIO
+@pytest.mark.parametrize("replicas", [2, 3])
+async def test_on_change_runs_once_in_the_fleet(server: RedisServer, replicas: int) -> None:
+    changes = Changes()
+    books = [book(server.url, changes.of(f"r{i}")) for i in range(replicas)]
+    rounds = [("a", 1), ("a", 0), ("b", 1), ("b", 0), ("a", 1)]  # (wire hash, on_change runs expected)
+    per_replica = 25
+    expected_requests = 0
+    async with started(*books):
+        for tag, runs in rounds:
+            before = len(changes.calls)
+            for _ in range(per_replica):  # interleaved: every replica records the same change at once
+                for each in books:
+                    each.record(outcome("shared", tag))
+            expected_requests += per_replica * replicas
+            await settled(*books)
+            assert await requests_in_redis(books[0], "shared") == expected_requests
+            assert len(changes.calls) - before == runs, (tag, changes.calls)
+            for each in books:  # every replica knows the fleet has synced it: a fallback would not run it again
+                assert each.get("shared") is not None and each.get("shared").synced_hash == fp(tag).wire_hash  # type: ignore[union-attr]
+        assert all(each.up for each in books)
+    assert [(sid, h) for _, sid, h in changes.calls] == [("shared", fp("a").wire_hash), ("shared", fp("b").wire_hash),
+                                                        ("shared", fp("a").wire_hash)]  # fmt: skip
+    assert sum(each.recomputations for each in books) == 3 + len(rounds) * replicas  # and each fence once
+    assert sum(each.local_records for each in books) == 0
+
+
+async def _requests_are(observer: RedisSessionBook, session_id: str, expected: int) -> bool:
+    return await requests_in_redis(observer, session_id) == expected
+
+
+@ASYNCIO
+async def test_a_failed_on_change_is_run_again_by_the_next_record_anywhere(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    changes = Changes()
+    changes.fail.add("a")
+    a, b = book(server.url, changes.of("a")), book(server.url, changes.of("b"))
+    async with started(a, b):
+        a.record(outcome("s", "x"))
+        # Claimed by a, whose on_change raised: the claim is given back.
+        await until(lambda: len(changes.calls) == 1)
+        await until(lambda: _unclaimed(a, "s"))
+        b.record(outcome("s", "x"))
+        await until(lambda: len(changes.calls) == 2)
+        a.record(outcome("s", "x"))
+        b.record(outcome("s", "x"))
+        await settled(a, b)
+        assert await requests_in_redis(a, "s") == 4
+    assert [name for name, _, _ in changes.calls] == ["a", "b"]
+    assert "on_change failed" in caplog.text
+
+
+async def _unclaimed(observer: RedisSessionBook, session_id: str) -> bool:
+    entry = await observer.lookup(session_id)
+    return entry is not None and entry.synced_hash is None
+
+
+# --- what Redis keeps -----------------------------------------------------------------------------
+
+
+@ASYNCIO
+async def test_redis_keeps_the_scalars_under_a_digest_with_a_ttl(server: RedisServer) -> None:
+    session_id = f"secret-session-{uuid.uuid4()}"
+    observer = book(server.url, ttl=600.0)
+    async with started(observer), redis_client(server.url) as client:
+        release = observer.pin(session_id)
+        observer.record(outcome(session_id, "c", bytes_out=11))
+        observer.record(outcome(session_id, "c", bytes_out=5))
+        await until(lambda: _requests_are(observer, session_id, 2))
+        digest = session_key(session_id).hex()
+        keys = sorted(text(k) for k in await client.keys("*"))
+        assert keys == sorted([entry_key(session_key(session_id)), leases_key(session_key(session_id))])
+        assert all(digest in k and session_id not in k for k in keys)
+        entry = await observer.lookup(session_id)
+        assert entry is not None
+        assert (entry.wire_hash, entry.text_comparable, entry.size) == (fp("c").wire_hash, True, 42)
+        assert (entry.requests, entry.bytes_out, entry.last_status, entry.last_outcome) == (2, 16, 200, "complete")
+        assert entry.synced_hash == fp("c").wire_hash
+        assert abs(entry.last_seen - time.time()) < 60  # wall-clock time: comparable across hosts
+        fields = {text(k) for k in await client.hkeys(entry_key(session_key(session_id)))}
+        assert fields == {"wire_hash", "text_comparable", "size", "requests", "bytes_out", "last_status",
+                          "last_outcome", "last_seen", "synced_hash"}  # fmt: skip
+        assert 0 < await client.pttl(entry_key(session_key(session_id))) <= 600_000
+        assert await observer.live_leases(session_id) == 1
+        release()
+        release()  # idempotent
+        await until(lambda: _leases_are(observer, session_id, 0))
+        assert not await client.exists(leases_key(session_key(session_id)))
+    assert observer.pinned == 0
+
+
+async def _leases_are(observer: RedisSessionBook, session_id: str, expected: int) -> bool:
+    return await observer.live_leases(session_id) == expected
+
+
+# --- pins are leases ------------------------------------------------------------------------------
+
+
+@ASYNCIO
+async def test_a_held_pin_outlives_its_first_lease(server: RedisServer) -> None:
+    lease = 0.9
+    holder, observer = book(server.url, lease=lease, timeout=0.4), book(server.url)
+    async with started(holder, observer), redis_client(server.url) as client:
+        release = holder.pin("long-stream")
+        await until(lambda: _leases_are(observer, "long-stream", 1))
+        rows = await client.zrange(leases_key(session_key("long-stream")), 0, -1, withscores=True)
+        [(_, first_expiry)] = cast(list[tuple[bytes, float]], rows)
+
+        async def first_lease_over() -> bool:
+            now: tuple[int, int] = await client.time()
+            return now[0] * 1000 + now[1] // 1000 > first_expiry + 100
+
+        await until(first_lease_over)  # the lease it took at admission has run out by Redis's clock...
+        assert await observer.live_leases("long-stream") == 1  # ...and the pin is still there: renewed
+        release()
+        await until(lambda: _leases_are(observer, "long-stream", 0))
+
+
+REPLICA = """
+import sys
+import anyio
+from asgi_lifetime.gateway import RedisSessionBook
+
+async def main():
+    book = RedisSessionBook(sys.argv[1], max_sessions=10, lease=float(sys.argv[3]), timeout=0.2)
+    async with anyio.create_task_group() as tg:
+        await tg.start(book.run)
+        book.pin(sys.argv[2])
+        print("pinned", flush=True)
+        await anyio.sleep_forever()
+
+anyio.run(main)
+"""
+
+
+@ASYNCIO
+async def test_a_replica_that_dies_leaves_no_pin_past_the_lease(server: RedisServer) -> None:
+    lease = 1.0
+    observer = book(server.url)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    command = [sys.executable, "-c", textwrap.dedent(REPLICA), server.url, "doomed", str(lease)]
+    async with await anyio.open_process(command, env=env, stderr=None) as replica:
+        try:
+            async with started(observer), redis_client(server.url) as client:
+                assert replica.stdout is not None
+                line = b""
+                with anyio.fail_after(WAIT):
+                    while not line.endswith(b"\n"):
+                        line += await replica.stdout.receive()
+                assert line == b"pinned\n"
+                await until(lambda: _leases_are(observer, "doomed", 1))
+                replica.kill()  # SIGKILL: no release, no goodbye
+                await replica.wait()
+                await until(lambda: _leases_are(observer, "doomed", 0), seconds=lease + WAIT)
+                await until(lambda: _gone(client, leases_key(session_key("doomed"))), seconds=lease + WAIT)
+        finally:
+            if replica.returncode is None:
+                replica.kill()
+                await replica.wait()
+
+
+async def _gone(client: Redis, key: str) -> bool:
+    return not await client.exists(key)
+
+
+# --- Redis down, killed, slow ----------------------------------------------------------------------
+
+
+@ASYNCIO
+async def test_redis_down_at_start_then_up(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    binary = require_binary("redis-server", "redis-server")
+    later = RedisServer(binary, tmp_path)  # nothing listens on its port yet
+    changes = Changes()
+    subject = book(later.url, changes.of("a"), lease=1.5, timeout=0.5)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    try:
+        async with started(subject):
+            assert not subject.up
+            assert subject.store_state().fallbacks == 1
+            [line] = transitions(caplog)
+            assert "unusable" in line and later.url in line
+            release = subject.pin("s")  # the request path works on the in-memory book
+            subject.record(outcome("s", "a"))
+            assert changes.calls == [("a", "s", fp("a").wire_hash)]  # decided here, at once
+            assert subject.local_records == 1
+            later.start()
+            await until(lambda: subject.up)
+            assert len(transitions(caplog)) == 2 and "answers again" in transitions(caplog)[1]
+            assert await subject.live_leases("s") == 1  # the pin taken while down is now a lease
+            subject.record(outcome("s", "b"))
+            await settled(subject)
+            assert await requests_in_redis(subject, "s") == 1
+            assert [h for _, _, h in changes.calls] == [fp("a").wire_hash, fp("b").wire_hash]
+            release()
+            await until(lambda: _leases_are(subject, "s", 0))
+        assert subject.store_state().fallbacks == 1
+    finally:
+        later.stop()
+
+
+@ASYNCIO
+async def test_redis_killed_mid_run_then_restarted(server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    changes = Changes()
+    subject = book(server.url, changes.of("a"), lease=1.5, timeout=0.5)
+    async with started(subject):
+        assert subject.up and subject.store_state() == _state(up=True)
+        release = subject.pin("s")
+        subject.record(outcome("s", "a"))
+        await until(lambda: len(changes.calls) == 1)
+        server.kill()
+        subject.record(outcome("s", "b"))  # taken by the task, refused by the dead server: decided here
+        await until(lambda: not subject.up)
+        await until(lambda: len(changes.calls) == 2)
+        assert changes.calls[1][2] == fp("b").wire_hash
+        subject.record(outcome("s", "b"))  # same hash, decided here: no second run
+        subject.record(outcome("s", "c"))
+        assert len(changes.calls) == 3
+        state = subject.store_state()
+        assert not state.up and state.fallbacks == 1 and state.local_records == 3
+        [line] = transitions(caplog)
+        assert "unusable" in line and "ConnectionError" in line
+        server.start()  # the same port, an empty Redis
+        await until(lambda: subject.up)
+        lines = transitions(caplog)
+        assert len(lines) == 2 and "answers again" in lines[1]
+        assert await subject.live_leases("s") == 1  # written again on the way back
+        subject.record(outcome("s", "c"))  # an empty Redis has not synced c: claimed, runs once more
+        await settled(subject)
+        assert await requests_in_redis(subject, "s") == 1
+        assert len(changes.calls) == 4
+        release()
+    assert subject.store_state() == _state(up=False, fallbacks=1, local_records=3)
+
+
+def _state(*, up: bool, fallbacks: int = 0, local_records: int = 0) -> StoreState:
+    return StoreState(up=up, fallbacks=fallbacks, local_records=local_records)
+
+
+@contextlib.asynccontextmanager
+async def silent_server() -> AsyncIterator[str]:
+    """A TCP server that accepts connections and never answers: a Redis that hangs."""
+
+    async def hold(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await anyio.sleep_forever()
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, hold)
+            yield f"redis://127.0.0.1:{port}/0"
+            tg.cancel_scope.cancel()
+
+
+@ASYNCIO
+async def test_a_silent_redis_costs_the_request_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    changes = Changes()
+    async with silent_server() as url:
+        subject = book(url, changes.of("a"), lease=1.0, timeout=0.2)
+        with anyio.fail_after(WAIT):
+            async with started(subject):  # startup waits for one bounded ping, then goes on
+                [line] = transitions(caplog)
+                assert "no answer within 0.2s" in line  # the timeout path, not a refused connection
+                assert not subject.up and subject.fallbacks == 1
+                release = subject.pin("s")
+                subject.record(outcome("s", "a"))  # no await: decided in memory at once
+                assert changes.calls == [("a", "s", fp("a").wire_hash)] and subject.local_records == 1
+                release()
+                assert subject.pinned == 0
+
+
+class FreezingProxy:
+    """A TCP proxy in front of Redis that can stop passing bytes (and start again)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.flowing = anyio.Event()
+        self.flowing.set()
+
+    def freeze(self) -> None:
+        self.flowing = anyio.Event()
+
+    def thaw(self) -> None:
+        self.flowing.set()
+
+    async def _pump(self, source: anyio.abc.ByteReceiveStream, sink: anyio.abc.ByteSendStream) -> None:
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            async for data in source:
+                await self.flowing.wait()
+                await sink.send(data)
+
+    async def _serve(self, client: anyio.abc.SocketStream) -> None:
+        async with client, await anyio.connect_tcp("127.0.0.1", self.target_port) as upstream:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._pump, client, upstream)
+                await self._pump(upstream, client)
+                tg.cancel_scope.cancel()
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+            port = listener.extra(anyio.abc.SocketAttribute.local_port)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(listener.serve, self._serve)
+                yield f"redis://127.0.0.1:{port}/0"
+                tg.cancel_scope.cancel()
+
+
+@ASYNCIO
+async def test_a_redis_that_stops_answering_mid_run(server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    changes = Changes()
+    proxy = FreezingProxy(server.port)
+    async with proxy.serving() as url:
+        subject = book(url, changes.of("a"), lease=1.5, timeout=0.3)
+        async with started(subject):
+            assert subject.up
+            proxy.freeze()
+            subject.record(outcome("s", "a"))  # returns at once; the task's call to Redis hangs...
+            await until(lambda: not subject.up)  # ...until its bound: then the book falls back
+            [line] = transitions(caplog)
+            assert "no answer within 0.3s" in line
+            await until(lambda: len(changes.calls) == 1)  # the record Redis did not take, decided here
+            assert subject.local_records == 1
+            proxy.thaw()
+            await until(lambda: subject.up)
+            assert len(transitions(caplog)) == 2 and "answers again" in transitions(caplog)[1]
+
+
+@ASYNCIO
+async def test_a_full_queue_settles_in_memory_without_waiting(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_session_store, "_QUEUE_SIZE", 1)
+    changes = Changes()
+    subject = book(server.url, changes.of("a"))
+    async with started(subject):
+        for i in range(5):  # no await in between: the task cannot take any of them
+            subject.record(outcome(f"s{i}", "a"))
+        assert subject.local_records == 4  # one queued, the rest decided here at once
+        assert len(changes.calls) == 4
+        await until(lambda: len(changes.calls) == 5)
+
+
+@ASYNCIO
+async def test_stopping_writes_what_is_queued_and_removes_its_leases(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    changes = Changes()
+    subject, observer = book(server.url, changes.of("a")), book(server.url)
+    async with started(observer):
+        async with started(subject):
+            release = subject.pin("s")
+            await until(lambda: _leases_are(observer, "s", 1))
+            for _ in range(3):
+                subject.record(outcome("s", "a"))
+            # No await since: the task has taken none of them when the lifespan ends.
+        assert await requests_in_redis(observer, "s") == 3
+        assert len(changes.calls) == 1
+        assert await observer.live_leases("s") == 0  # a stopped process leaves no pin, even one still held
+        release()  # the request settles after the lifespan: nothing to say about it
+    assert transitions(caplog) == []
+    assert subject.pinned == 0
+
+
+# --- trio, no lifespan, the package without redis ------------------------------------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_on_trio_the_book_falls_back_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    changes = Changes()
+    subject = book(f"redis://127.0.0.1:{free_port()}/0", changes.of("a"))
+    async with started(subject):
+        [line] = transitions(caplog)
+        assert "needs asyncio" in line
+        assert not subject.up and subject.store_state() == _state(up=False, fallbacks=1)
+        release = subject.pin("s")
+        subject.record(outcome("s", "a"))
+        subject.record(outcome("s", "a"))
+        assert len(changes.calls) == 1 and subject.local_records == 2
+        release()
+    assert len(transitions(caplog)) == 1
+
+
+def test_without_its_task_the_book_warns_once_and_keeps_sessions_in_memory(caplog: pytest.LogCaptureFixture) -> None:
+    changes = Changes()
+    subject = book(f"redis://127.0.0.1:{free_port()}/0", changes.of("a"))
+    for _ in range(3):
+        subject.pin("s")()
+        subject.record(outcome("s", "a"))
+    [line] = transitions(caplog)
+    assert "not running" in line
+    assert len(changes.calls) == 1 and subject.local_records == 3 and subject.fallbacks == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [("http://127.0.0.1:6379", "redis://"), ("redis://", "with a host"), ("redis:///0", "with a host")],
+)
+def test_the_url_is_checked(url: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        RedisSessionBook(url, max_sessions=10)
+
+
+@pytest.mark.parametrize(
+    ("options", "problem"), [({"ttl": 0}, "ttl"), ({"lease": -1.0}, "lease"), ({"timeout": 3.0, "lease": 5.0}, "half")]
+)
+def test_the_bounds_are_checked(options: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        RedisSessionBook("redis://127.0.0.1:6379/0", max_sessions=10, **options)
+
+
+def test_the_settings_choose_the_book() -> None:
+    lifetime = Lifetime(LifetimeSettings())
+    memory = make_session_book(LifetimeSettings(), lifetime=lifetime)
+    assert type(memory) is SessionBook and memory.store_state().up
+    settings = LifetimeSettings(
+        session_store="rediss://user:hunter2@redis.internal:6380/2",
+        session_ttl=60.0,
+        session_lease=3.0,
+        session_store_timeout=0.5,
+    )
+    shared = make_session_book(settings, lifetime=lifetime)
+    assert isinstance(shared, RedisSessionBook)
+    assert shared.url == "rediss://user:***@redis.internal:6380/2"
+    assert "hunter2" not in repr(settings) and "hunter2" not in str(settings.public_items())
+
+
+# --- the gateway ----------------------------------------------------------------------------------
+
+UPSTREAM = "http://upstream.test"
+OK = {
+    "id": "c1",
+    "object": "chat.completion",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+}
+
+
+async def test_the_gateway_shares_sessions_on_asyncio_and_falls_back_on_trio(
+    server: RedisServer, anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    changes = Changes()
+    settings = LifetimeSettings(upstream_url=(UPSTREAM,), session_store=server.url, session_store_timeout=1.0)
+    app = create_app(settings, on_change=changes.of("gateway"))
+    with respx.mock(base_url=UPSTREAM, assert_all_called=True) as router:
+        router.post(PATH).respond(200, json=OK)
+        async with app.router.lifespan_context(app):  # the lifespan, on this backend
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as client:
+                for _ in range(3):
+                    response = await client.post(PATH, json=CHAT, headers={"x-session-id": "conv-1"})
+                    assert response.status_code == 200
+                metrics = (await client.get("/metrics")).text
+                book_: RedisSessionBook = app.state.book
+                if anyio_backend == "asyncio":
+                    await settled(book_)
+                    assert await requests_in_redis(book_, "conv-1") == 3
+                    assert "asgi_lifetime_session_store_up 1.0" in metrics
+                    assert "asgi_lifetime_session_store_fallbacks_total 0.0" in metrics
+                    assert transitions(caplog) == []
+                else:
+                    assert "asgi_lifetime_session_store_up 0.0" in metrics
+                    assert "asgi_lifetime_session_store_fallbacks_total 1.0" in metrics
+                    assert "asgi_lifetime_session_store_local_records_total 3.0" in metrics
+                    [line] = transitions(caplog)
+                    assert "needs asyncio" in line
+                assert len(changes.calls) == 1  # one body, one wire hash: one run
+                assert app.state.lifetime.stats().idle
+
+
+class Monitor:
+    """Everything Redis executes, as its ``MONITOR`` command shows it, read on a plain socket in a thread."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+        self.sock.sendall(b"MONITOR\r\n")
+        self.seen = bytearray()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError):
+            while data := self.sock.recv(65536):
+                with self.lock:
+                    self.seen += data
+
+    def text(self) -> bytes:
+        with self.lock:
+            return bytes(self.seen)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reading thread (close() alone would not)
+        self.thread.join(WAIT)
+        self.sock.close()
+
+
+@ASYNCIO
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_nothing_of_the_body_reaches_redis(server: RedisServer, stream: bool) -> None:
+    """Real sockets: client -> gateway (uvicorn) -> demo upstream; Redis watched with MONITOR."""
+    marker = f"BODYMARKER{uuid.uuid4().hex}"
+    session_id = f"SESSIONMARKER{uuid.uuid4().hex}"
+    monitor = Monitor(server.port)
+    try:
+        await until(lambda: monitor.text().startswith(b"+OK"))
+        with running(session_store=server.url, session_store_timeout=1.0) as stack:
+            body = {**CHAT, "stream": stream, "messages": [{"role": "user", "content": f"say {marker} please"}]}
+            async with httpx.AsyncClient(base_url=stack.url, timeout=WAIT) as client:
+                for _ in range(2):
+                    response = await client.post(PATH, json=body, headers={"x-session-id": session_id})
+                    assert response.status_code == 200
+            book_: RedisSessionBook = stack.app.state.book
+            assert book_.up
+            digest = session_key(session_id).hex().encode()
+            await until(lambda: monitor.text().count(digest) >= 4)  # pins, releases and records were seen
+            await until(lambda: b"ZREM" in monitor.text() or b"zrem" in monitor.text())
+            await assert_idle(stack.app, stack.url)
+        seen = monitor.text()
+        assert marker.encode() not in seen
+        assert session_id.encode() not in seen
+        assert b"say " not in seen and b"messages" not in seen
+    finally:
+        monitor.close()
