@@ -10,7 +10,9 @@
 Every setting in ``SETTINGS`` is also a flag. ``serve`` validates the effective settings once
 (flag > environment > .env file > default), exports them as ``ASGI_LIFETIME_*`` variables and
 runs uvicorn with the factory ``asgi_lifetime.gateway:create_app``, so one worker and N workers
-build their app the same way: from the environment.
+build their app the same way: from the environment. With N workers and no
+``PROMETHEUS_MULTIPROC_DIR`` it creates a private one (removed at exit), so ``/metrics`` and
+``/lifetime/stats`` report every worker whichever one answers.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import inspect
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
@@ -53,6 +57,7 @@ from .._settings import (
     redact_url,
 )
 from ..gateway._auth import is_loopback
+from ..gateway._metrics import MULTIPROC_DIR_ENV
 from ..gateway._shutdown import request_shutdown
 from . import install_hint
 
@@ -425,6 +430,24 @@ def _demo_upstream_if_needed(settings: LifetimeSettings) -> Iterator[LifetimeSet
         yield settings.replace(upstream_url=(url,))
 
 
+@contextlib.contextmanager
+def _shared_directory(workers: int) -> Iterator[None]:
+    """N workers: the directory where they share metrics and stats, unless the operator named one.
+
+    Set before the workers start (prometheus_client picks its storage at import, in each worker).
+    """
+    if workers < 2 or os.environ.get(MULTIPROC_DIR_ENV):
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix="asgi-lifetime-workers-")
+    os.environ[MULTIPROC_DIR_ENV] = directory
+    try:
+        yield
+    finally:
+        os.environ.pop(MULTIPROC_DIR_ENV, None)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     settings, _ = resolve_settings(flag_values(args), os.environ, env_file=args.env_file)
     problem = refusal(settings, args.host)
@@ -435,7 +458,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stopped)
     try:
-        with _demo_upstream_if_needed(settings) as effective:
+        with _demo_upstream_if_needed(settings) as effective, _shared_directory(args.workers):
             export_environ(effective, os.environ)
             config = uvicorn.Config(
                 GATEWAY_FACTORY,

@@ -10,13 +10,15 @@ or mount it in an existing app:
 
 Every path under ``PATHS`` (default ``/v1/``) is forwarded with the path appended as-is to
 the upstream base URL. ``GET /healthz``, ``GET /lifetime/stats`` and ``GET /metrics``
-are served here.
+are served here. With several workers sharing ``PROMETHEUS_MULTIPROC_DIR``, ``/lifetime/stats``
+reports every worker and the total, as ``/metrics`` does (``_workers``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -38,12 +40,13 @@ from ._access_log import AccessLog
 from ._auth import GatewayAuth
 from ._bookkeeping import Bookkeeper
 from ._forward import Forwarder
-from ._metrics import GatewayMetrics, make_metrics_route
+from ._metrics import MULTIPROC_DIR_ENV, GatewayMetrics, make_metrics_route
 from ._prepare import Preparer
 from ._refold import Conversation, Refold, default_refold
 from ._session_store import RedisSessionBook, make_session_book
 from ._shutdown import grace_starts_at, shutdown_requested
 from ._upstream import AttemptEvent, UpstreamClient
+from ._workers import Report, WorkerStats
 
 __all__ = ["create_app"]
 
@@ -91,6 +94,13 @@ def create_app(
     )
     metrics = GatewayMetrics(stats=lifetime.stats, describe_upstreams=upstream.describe, session_store=book.store_state)
     listeners.append(metrics.on_attempt)
+
+    def report() -> Report:
+        # Read from the metrics sync thread too: plain values only.
+        return {**lifetime.stats().as_dict(), "session_changes": book.recomputations, "upstreams": upstream.describe()}
+
+    # The metrics validated the directory; without one the stats are this process's, and say so.
+    workers = WorkerStats(report, directory=os.environ.get(MULTIPROC_DIR_ENV) if metrics.multiprocess else None)
     drain = _Drain(lifetime)
     forwarder = Forwarder(
         lifetime=lifetime,
@@ -107,7 +117,9 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     async def stats(request: Request) -> Response:
-        return JSONResponse({**lifetime.stats().as_dict(), "upstreams": upstream.describe()})
+        if workers.directory is None:
+            return JSONResponse(workers.payload())
+        return JSONResponse(await anyio.to_thread.run_sync(workers.payload))  # reads every worker's file
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
@@ -140,6 +152,7 @@ def create_app(
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
+            workers.close()
             metrics.close()
 
     app = Starlette(
@@ -169,6 +182,7 @@ def create_app(
     app.state.book = book
     app.state.upstream = upstream
     app.state.metrics = metrics
+    app.state.workers = workers
     app.state.drain = drain
     return app
 

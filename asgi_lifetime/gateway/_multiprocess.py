@@ -3,16 +3,21 @@
 Imported only when ``PROMETHEUS_MULTIPROC_DIR`` is set (``GatewayMetrics`` decides); the module
 docstring of ``_metrics`` explains the mode. Per process: one ``Process`` (metric objects, the
 ``Source`` of each ``GatewayMetrics`` instance, the sync thread), rebuilt after a fork.
+
+The same thread writes each ``/lifetime/stats`` report of the process (``_workers``, a
+``Writer``), and the same check drops what a dead worker left behind: its ``live*`` gauge
+files and its ``stats-<pid>-*.json`` reports (``remove_dead_processes``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import cast
+from typing import Protocol, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client import values as _prometheus_values
@@ -38,9 +43,29 @@ from ._metrics import (
     _UpstreamView,
 )
 
-__all__ = ["Process", "SharedFilesCollector", "Source", "process_for", "remove_dead_processes", "retire"]
+__all__ = [
+    "STATS_PREFIX",
+    "Process",
+    "SharedFilesCollector",
+    "Source",
+    "Writer",
+    "process_for",
+    "remove_dead_processes",
+    "retire",
+]
 
 logger = logging.getLogger(__name__)
+
+STATS_PREFIX = "stats-"
+"""``/lifetime/stats`` reports are ``stats-<pid>-<n>.json`` in the directory (``_workers``)."""
+
+
+class Writer(Protocol):
+    """Something the sync thread writes to the directory every interval (a worker's stats report)."""
+
+    def write(self) -> None: ...
+
+    def remove(self) -> None: ...
 
 
 class _Mirror:
@@ -116,6 +141,7 @@ class Process:
         self.metrics = _RequestMetrics(None)
         self.mirror = _Mirror()
         self.sources: set[Source] = set()
+        self.writers: set[Writer] = set()
         self.seen_upstreams: set[str] = set()
         self.interval = float("inf")
         self.lock = threading.RLock()  # RLock: a finalizer may run retire() from a GC inside sync()
@@ -126,10 +152,27 @@ class Process:
     def add(self, source: Source, interval: float) -> None:
         with self.lock:
             self.sources.add(source)
-            if interval < self.interval:
-                self.interval = interval
-                self.wake.set()  # a sleeping thread picks the shorter interval up
+            self._shorten(interval)
         self.ensure_thread()
+
+    def add_writer(self, writer: Writer, interval: float) -> None:
+        with self.lock:
+            self.writers.add(writer)
+            self._shorten(interval)
+        self.ensure_thread()
+
+    def remove_writer(self, writer: Writer) -> None:
+        """Stop writing ``writer`` and remove what it wrote (a worker that exits leaves no report)."""
+        with self.lock:
+            self.writers.discard(writer)
+            writer.remove()
+            if not self.writers and not self.sources:
+                self.wake.set()
+
+    def _shorten(self, interval: float) -> None:
+        if interval < self.interval:
+            self.interval = interval
+            self.wake.set()  # a sleeping thread picks the shorter interval up
 
     def retire(self, source: Source) -> None:
         """Final copy of ``source``'s totals; its gauges leave the sums."""
@@ -139,7 +182,7 @@ class Process:
             self._copy_source(source)
             self.sources.discard(source)
             self.sync()
-            if not self.sources:
+            if not self.sources and not self.writers:
                 self.wake.set()
 
     def ensure_thread(self) -> None:
@@ -148,7 +191,8 @@ class Process:
             return
         with self.lock:
             thread = self.thread
-            if not self.sources or (thread is not None and thread.is_alive() and self.thread_pid == os.getpid()):
+            idle = not self.sources and not self.writers
+            if idle or (thread is not None and thread.is_alive() and self.thread_pid == os.getpid()):
                 return
             self.thread = threading.Thread(target=self._run, name="asgi_lifetime.metrics-sync", daemon=True)
             self.thread_pid = os.getpid()
@@ -160,7 +204,7 @@ class Process:
             self.wake.wait(self.interval)
             self.wake.clear()
             with self.lock:
-                if self.thread is not me or not self.sources:
+                if self.thread is not me or not (self.sources or self.writers):
                     if self.thread is me:
                         self.thread = None
                     return
@@ -168,6 +212,16 @@ class Process:
                 self.sync()
             except Exception:
                 logger.exception("copying the gateway counters to the multiprocess metrics failed")
+            self.write_reports()
+
+    def write_reports(self) -> None:
+        with self.lock:
+            writers = list(self.writers)
+        for writer in writers:
+            try:
+                writer.write()
+            except Exception:
+                logger.exception("writing this worker's stats report failed")
 
     def sync(self) -> None:
         """Copy every source's live state into the mirror."""
@@ -261,21 +315,33 @@ def _process_exists(pid: int) -> bool:
 
 
 def remove_dead_processes(directory: str) -> None:
-    """Drop the ``live*`` gauge files of workers that died without cleaning up (POSIX only)."""
+    """Drop what workers that died without cleaning up left behind (POSIX only).
+
+    Their ``live*`` gauge files (their totals stay: counter semantics) and their stats reports.
+    """
     if os.name != "posix":
         return  # os.kill(pid, 0) would terminate the process on Windows
     own = os.getpid()
-    pids: set[int] = set()
-    for path in glob.glob(os.path.join(glob.escape(directory), "gauge_live*_*.db")):
+    found: dict[int, list[str]] = {}  # pid -> its stats report files
+    prefix = os.path.join(glob.escape(directory), "")
+    for path in glob.glob(prefix + "gauge_live*_*.db"):
         suffix = os.path.basename(path)[: -len(".db")].rsplit("_", 1)[-1]
-        if suffix.isdigit() and int(suffix) != own:
-            pids.add(int(suffix))
-    for pid in pids:
-        if not _process_exists(pid):
-            try:
-                mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
-            except OSError:
-                pass  # another worker removed them first
+        if suffix.isdigit():
+            found.setdefault(int(suffix), [])
+    for path in glob.glob(prefix + STATS_PREFIX + "*"):  # stats-<pid>-<n>.json and its .tmp
+        digits = os.path.basename(path)[len(STATS_PREFIX) :].split("-", 1)[0]
+        if digits.isdigit():
+            found.setdefault(int(digits), []).append(path)
+    for pid, reports in found.items():
+        if pid == own or _process_exists(pid):
+            continue
+        for path in reports:
+            with contextlib.suppress(OSError):  # another worker removed it first
+                os.remove(path)
+        try:
+            mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        except OSError:
+            pass  # another worker removed them first
 
 
 class SharedFilesCollector(MultiProcessCollector):
