@@ -23,13 +23,9 @@ import httpx
 from asgi_lifetime._settings import ENV_PREFIX
 from asgi_lifetime.gateway._metrics import MULTIPROC_DIR_ENV
 
+from ._servers import free_port
+
 STARTUP = 60.0  # seconds; two spawned workers import everything on a shared 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def refused(port: int) -> bool:

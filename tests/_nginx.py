@@ -7,7 +7,7 @@ the listening port replaced by loopback ones (``loopback_site``)::
     with nginx_server(tmp_path, loopback_site(EXAMPLE.read_text(), listen=port, gateways=[p1, p2])) as proxy:
         httpx.get(proxy.base + "/healthz")
 
-``require_binary`` is the rule every test needing a system binary follows: under ``CI=true`` a
+``require_binary`` (tests/_servers.py) is the rule every test needing a system binary follows: under ``CI=true`` a
 missing binary fails the test; elsewhere the test is skipped with an install hint.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,30 +24,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from ._servers import require_binary
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "deploy" / "nginx.conf"
 UPSTREAM_BLOCK = re.compile(r"(upstream\s+asgi_lifetime\s*\{)(.*?)(\n\})", re.DOTALL)
 SERVER_LINE = re.compile(r"^(\s*server\s+)\S+:\d+", re.MULTILINE)
 LISTEN_LINE = re.compile(r"^(\s*listen\s+)\d+\s*;", re.MULTILINE)
 _START_TIMEOUT = 10.0
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
-def require_binary(name: str, apt_package: str) -> str:
-    """The path of ``name``; missing: fail under ``CI=true``, else skip saying how to install it."""
-    path = shutil.which(name) or next(
-        (str(p) for p in (Path("/usr/sbin") / name, Path("/usr/bin") / name) if os.access(p, os.X_OK)), None
-    )
-    if path is not None:
-        return path
-    reason = f"{name} is not installed: apt-get install {apt_package} (bash .ci/run installs it)"
-    if in_ci():
-        pytest.fail(f"CI=true and {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 def loopback_site(text: str, *, listen: int, gateways: Sequence[int]) -> str:

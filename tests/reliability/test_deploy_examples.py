@@ -20,8 +20,8 @@ import pytest
 from asgi_lifetime import LifetimeSettings, MiB
 from asgi_lifetime._cli._main import SHUTDOWN_BACKSTOP
 from asgi_lifetime._settings import ENV_PREFIX, SETTINGS, _parse_size
-from tests._gateways import free_port
 from tests._nginx import EXAMPLE, UPSTREAM_BLOCK, check_config, loopback_site
+from tests._servers import free_port
 
 DEPLOY = EXAMPLE.parent
 NGINX = EXAMPLE.read_text()

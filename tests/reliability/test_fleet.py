@@ -44,8 +44,9 @@ from asgi_lifetime._settings import SETTINGS
 from asgi_lifetime.gateway._metrics import MULTIPROC_DIR_ENV
 from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime.testing._upstream import create_demo_upstream
-from tests._gateways import Gateway, eventually, free_port, gateway_process
+from tests._gateways import Gateway, eventually, gateway_process
 from tests._nginx import EXAMPLE, loopback_site, nginx_server
+from tests._servers import free_port
 
 pytestmark = pytest.mark.slow
 
