@@ -29,7 +29,7 @@ def make(counters: Counters, *, max_inflight: int = 10, timeout: float = 10.0) -
 
 
 def queued(admission: Admission) -> int:
-    return len(admission._waiters)
+    return len(admission._arrivals) + len(admission._grows)
 
 
 class Requester:

@@ -86,6 +86,7 @@ def create_app(
     )
     metrics = GatewayMetrics(stats=lifetime.stats, describe_upstreams=upstream.describe)
     listeners.append(metrics.on_attempt)
+    lifetime.admission.on_admitted(metrics.on_admission_wait)
     drain = _Drain(lifetime)
     forwarder = Forwarder(
         lifetime=lifetime,

@@ -19,9 +19,10 @@ from prometheus_client import values as _prometheus_values
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from .._stats import LifetimeStats
+from .._stats import SHED_REASONS, LifetimeStats
 from ._metrics import (
     _GAUGES,
+    _SHED,
     _TOTALS,
     _UPSTREAM_ATTEMPTS,
     _UPSTREAM_DOWN,
@@ -42,13 +43,23 @@ logger = logging.getLogger(__name__)
 class _Mirror:
     """Several workers: the live state as multiprocess ``Gauge`` / ``Counter`` objects."""
 
-    __slots__ = ("gauges", "totals", "upstream_inflight", "upstream_down", "upstream_attempts", "upstream_failures")
+    __slots__ = (
+        "gauges",
+        "totals",
+        "shed",
+        "upstream_inflight",
+        "upstream_down",
+        "upstream_attempts",
+        "upstream_failures",
+    )
 
     def __init__(self) -> None:
         self.gauges = {
             name: Gauge(PREFIX + name, doc, registry=None, multiprocess_mode="livesum") for name, _, doc in _GAUGES
         }
         self.totals = {name: Counter(PREFIX + name, doc, registry=None) for name, _, doc in _TOTALS}
+        name, doc = _SHED
+        self.shed = Counter(PREFIX + name, doc, ["reason"], registry=None)
         name, doc = _UPSTREAM_INFLIGHT
         self.upstream_inflight = Gauge(PREFIX + name, doc, ["upstream"], registry=None, multiprocess_mode="livesum")
         name, doc = _UPSTREAM_DOWN
@@ -168,6 +179,8 @@ class Process:
             stats = source.stats()
         for name, field, _ in _TOTALS:
             source.advance(self.mirror.totals[name], (name, ""), getattr(stats, field))
+        for reason, field in SHED_REASONS.items():
+            source.advance(self.mirror.shed.labels(reason=reason), (_SHED[0], reason), getattr(stats, field))
         try:
             source.upstreams = _upstream_views(source.describe, self.labels)
         except Exception:
