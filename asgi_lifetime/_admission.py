@@ -52,31 +52,40 @@ class _Waiter:
 
 
 class _QueueDelay:
-    """CoDel's question about the queue for slots: has it drained within the target lately?
+    """CoDel's question about the queue for slots: has it been within the target lately?
 
-    The queue is *good* at a moment when nobody waiting for a slot has waited longer than
-    ``target`` (an empty queue is good). It is *standing* when it has not been good for
-    ``interval``. CoDel asks this of the minimum sojourn of the packets leaving the queue; here
-    the wait of the oldest request still waiting is known at every moment, so the answer does
-    not depend on anything leaving (when every slot is held by a long stream, nothing does).
+    The queue delay at a moment is how long its oldest waiter has waited (0 when empty). The
+    queue is *good* while that is at most ``target``, and *standing* when it has not been good
+    for ``interval``. CoDel asks this of the sojourn times of the packets leaving its queue;
+    here the oldest waiter's wait is known at every moment, so the answer does not need anyone
+    to leave (when every slot is held by a long stream, nobody does).
+
+    The admission reports each change of the oldest waiter (``new_oldest``); between changes the
+    delay only grows, so the last good moment is known exactly without a timer.
     """
 
-    __slots__ = ("target", "interval", "_good_at")
+    __slots__ = ("target", "interval", "_good_at", "_good_until")
 
     def __init__(self, target: float, interval: float) -> None:
         self.target = target
         self.interval = interval
-        self._good_at = -math.inf  # the last moment it was good, up to when its oldest waiter came
+        self._good_at = -math.inf  # the last good moment before the current oldest waiter
+        self._good_until = -math.inf  # when the current oldest waiter's wait passes the target
 
-    def oldest_left(self, since: float, now: float) -> None:
-        """The oldest waiter (waiting since ``since``) left at ``now``: the queue was good until
-        that waiter's wait reached the target. (A younger one leaving changes nothing.)"""
-        self._good_at = max(self._good_at, min(now, since + self.target))
+    def new_oldest(self, since: float | None, now: float) -> None:
+        """From ``now`` the oldest waiter is one waiting since ``since`` (``None``: the queue is empty)."""
+        self._good_at = max(self._good_at, min(now, self._good_until))
+        if since is None:
+            self._good_at = now
+            self._good_until = -math.inf
+        else:
+            # A waiter that is already over target when it becomes the oldest does not make the queue good.
+            self._good_until = since + self.target if now - since <= self.target else -math.inf
 
-    def standing(self, oldest_since: float | None, now: float) -> bool:
-        if self.target <= 0 or oldest_since is None:
+    def standing(self, waiting: bool, now: float) -> bool:
+        if self.target <= 0 or not waiting:
             return False
-        good_at = max(self._good_at, min(now, oldest_since + self.target))
+        good_at = max(self._good_at, min(now, self._good_until))
         return now - good_at >= self.interval
 
 
@@ -129,7 +138,7 @@ class Admission:
 
     def standing(self) -> bool:
         """Whether the queue for slots is standing now (a new request that must wait is refused)."""
-        return self._delay.standing(self._oldest_since(), self._clock())
+        return self._delay.standing(bool(self._arrivals), self._clock())
 
     def close(self, reason: str = "the gateway is shutting down") -> None:
         """Stop admitting: every later request (and every waiter) is rejected with 503."""
@@ -165,17 +174,16 @@ class Admission:
         self._counters.inflight_bytes -= nbytes
         self._wake()
 
-    def _oldest_since(self) -> float | None:
-        return self._arrivals[0].since if self._arrivals else None
-
     def _remove(self, waiter: _Waiter) -> None:
         if not waiter.slots:
             self._grows.remove(waiter)
             return
-        if self._arrivals[0] is waiter:
-            self._delay.oldest_left(waiter.since, self._clock())
-        self._arrivals.remove(waiter)
+        arrivals = self._arrivals
+        oldest = arrivals[0] is waiter
+        arrivals.remove(waiter)
         self._counters.queued_requests -= 1
+        if oldest:
+            self._delay.new_oldest(arrivals[0].since if arrivals else None, self._clock())
 
     def _wake(self) -> None:
         # Strict FIFO, grows (requests already admitted) first: the head waiter is served first,
@@ -213,12 +221,14 @@ class Admission:
             self._take(slots, nbytes)
             return 0.0
         now = self._clock()
-        if slots and self._delay.standing(self._oldest_since(), now):
+        if slots and self._delay.standing(bool(self._arrivals), now):
             self._reject("standing_queue", "server busy: the admission queue is not draining")
         waiter = _Waiter(slots, nbytes, now, ticket)
         if slots:
             self._arrivals.append(waiter)
             self._counters.queued_requests += 1
+            if len(self._arrivals) == 1:
+                self._delay.new_oldest(now, now)
         else:
             self._grows.append(waiter)
             self._wake()  # served at once if it fits: nothing else would wake it
