@@ -14,11 +14,13 @@ target in turn), each against its own upstream.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import psutil
 
 from benchmarks.bodies import small_body
 from benchmarks.client import Connection
@@ -166,23 +168,67 @@ def summarize(answers: list[Answer], seconds: float) -> dict[str, Any]:
     }
 
 
+async def _get(url: str, path: str) -> bytes:
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    async with await anyio.connect_tcp(host, int(port)) as stream:
+        await stream.send(f"GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n".encode())
+        data = bytearray()
+        while True:
+            try:
+                data += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                break
+    return bytes(data).partition(b"\r\n\r\n")[2]
+
+
 async def _idle(upstream: Server, seconds: float = 60.0) -> None:
     """Wait until the upstream has nothing active or queued (the ordinary proxy leaves work behind)."""
-    host, port = upstream.url.rsplit("/", 1)[-1].split(":")
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        async with await anyio.connect_tcp(host, int(port)) as stream:
-            await stream.send(f"GET /_stats HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n".encode())
-            data = bytearray()
-            while True:
-                try:
-                    data += await stream.receive()
-                except anyio.EndOfStream:
-                    break
-        if b'"active": 0, "waiting": 0' in data:
+        if b'"active": 0, "waiting": 0' in await _get(upstream.url, "/_stats"):
             return
         await anyio.sleep(0.2)
     raise RuntimeError("the upstream did not go idle")
+
+
+async def _admission(url: str) -> dict[str, float]:
+    """The gateway's admission metrics: queue wait buckets (cumulative), sum, count, and sheds by reason."""
+    found: dict[str, float] = {}
+    for line in (await _get(url, "/metrics")).decode().splitlines():
+        if line.startswith("asgi_lifetime_admission_queue_seconds") or line.startswith(
+            "asgi_lifetime_admission_shed_total"
+        ):
+            name, _, value = line.rpartition(" ")
+            found[name] = float(value)
+    return found
+
+
+def _difference(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: value - before.get(name, 0.0) for name, value in after.items()}
+
+
+def _queue_summary(metrics: dict[str, float]) -> dict[str, Any]:
+    """The admitted requests' queue waits from the histogram: count, mean, and the bucket bound
+    under which 99% fell (the histogram's resolution)."""
+    prefix = "asgi_lifetime_admission_queue_seconds"
+    count = metrics.get(f"{prefix}_count", 0.0)
+    buckets = sorted(
+        (float(name.split('le="', 1)[1].split('"', 1)[0]), value)
+        for name, value in metrics.items()
+        if name.startswith(f"{prefix}_bucket")
+    )
+    p99_bound = next((le for le, cumulative in buckets if count and cumulative >= 0.99 * count), None)
+    reasons = {
+        name.split('reason="', 1)[1].split('"', 1)[0]: int(value)
+        for name, value in metrics.items()
+        if name.startswith("asgi_lifetime_admission_shed_total")
+    }
+    return {
+        "admitted": int(count),
+        "mean_wait": metrics.get(f"{prefix}_sum", 0.0) / count if count else None,
+        "wait_p99_under": p99_bound,
+        "shed_by_reason": reasons,
+    }
 
 
 async def one_round(config: Config, log: Any) -> dict[str, Any]:
@@ -190,6 +236,7 @@ async def one_round(config: Config, log: Any) -> dict[str, Any]:
     upstreams = {key: Server("slots", extra_args=["--slots", str(SLOTS), "--service-seconds", str(SERVICE_SECONDS)])
                  for key in TARGETS}  # fmt: skip
     servers: dict[str, Server] = {}
+    load = os.getloadavg()[0]
     try:
         for key, (kind, settings) in TARGETS.items():
             upstreams[key].__enter__()
@@ -204,20 +251,28 @@ async def one_round(config: Config, log: Any) -> dict[str, Any]:
         runs: dict[str, dict[str, Any]] = {key: {} for key in TARGETS}
         for multiple in config.rates:
             for key, server in servers.items():
+                gateway = TARGETS[key][0] == "gateway"
+                before = await _admission(server.url) if gateway else {}
+                process = psutil.Process(server.pid)
+                cpu = sum(process.cpu_times()[:2])
                 answers = await open_loop(server.url, body, multiple * capacity, config.seconds, CLIENT_TIMEOUT)
                 summary = summarize(answers, config.seconds)
+                summary["cpu_seconds"] = sum(process.cpu_times()[:2]) - cpu
+                if gateway:
+                    summary["admission"] = _queue_summary(_difference(await _admission(server.url), before))
                 runs[key][f"{multiple:g}"] = summary
                 log(
                     f"overload {multiple:g}x {key}: {summary['ok']} ok, {summary['shed']} 503 "
                     f"({summary['shed_retry_after']} with Retry-After), {summary['timeouts']} timeouts, "
                     f"{summary['errors']} errors; ok p99 {summary['ok_p99'] or 0:.2f} s, "
-                    f"503 p99 {summary['shed_p99'] or 0:.2f} s, lag max {summary['lag_max'] * 1000:.0f} ms"
+                    f"503 p99 {summary['shed_p99'] or 0:.2f} s, lag max {summary['lag_max'] * 1000:.0f} ms, "
+                    f"cpu {summary['cpu_seconds']:.1f} s; {summary.get('admission', '')}"
                 )
                 await _idle(upstreams[key])
     finally:
         for server in [*servers.values(), *upstreams.values()]:
             server.__exit__(None, None, None)
-    return {"capacity": capacity, "runs": runs}
+    return {"capacity": capacity, "load": [load, os.getloadavg()[0]], "runs": runs}
 
 
 async def bench_overload(mode: str, results: dict[str, Any], log: Any) -> None:

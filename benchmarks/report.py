@@ -103,6 +103,8 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool) -> None:
         _fingerprint(results, add)
     if "codec" in results:
         _codec(results, add)
+    if "overload" in results:
+        _overload(results, add)
     _changes(add)
     (out / "benchmarks.md").write_text("\n".join(lines) + "\n")
 
@@ -201,6 +203,8 @@ def _targets(results: dict[str, Any], add: Any) -> None:
                     added_g <= added_o,
                 )
             )
+    if "overload" in results:
+        rows.append(_overload_target(results["overload"]))
     if "fingerprint" in results:
         worst = max(results["fingerprint"], key=lambda r: (r["blake3_chunked"] + r["verdict"]) / r["stdlib_loads"])
         ratio = (worst["blake3_chunked"] + worst["verdict"]) / worst["stdlib_loads"]
@@ -288,6 +292,8 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
             lines.append(f"*{name}*: see section 4.")
         elif name.startswith("steady"):
             lines.append("*Steady state*: see section 2.")
+        elif name.startswith("overload"):
+            lines.append("*Overload*: see section 7.")
     return lines
 
 
@@ -599,6 +605,128 @@ def _codec(results: dict[str, Any], add: Any) -> None:
             "The trim runs on the event loop, once per request of 8 MiB or more: a few milliseconds next to the "
             "hundreds a request of that size spends being read and parsed."
         )
+        add("")
+
+
+OVERLOAD_LABELS = {
+    "gw_shed": "asgi_lifetime, shedding on (defaults)",
+    "gw_fifo": "asgi_lifetime, shedding off (FIFO)",
+    "ordinary": "ordinary proxy",
+}
+
+
+def _overload_ratios(round_: dict[str, Any], key: str) -> float | None:
+    runs = round_["runs"][key]
+    low, high = runs.get("0.5"), runs.get("2")
+    if not low or not high or not low["ok_p99"] or not high["ok_p99"]:
+        return None
+    return float(high["ok_p99"] / low["ok_p99"])
+
+
+def _overload_clean(run: dict[str, Any]) -> bool:
+    """Only 200s and 503s with Retry-After: no timeout, no error, every 503 with the header."""
+    return not run["timeouts"] and not run["errors"] and run["shed_retry_after"] == run["shed"]
+
+
+def _overload_target(ov: dict[str, Any]) -> tuple[str, str, bool]:
+    measured = []
+    ok = True
+    for index, round_ in enumerate(ov["rounds"], 1):
+        ratio = _overload_ratios(round_, "gw_shed")
+        top = round_["runs"]["gw_shed"].get("2")
+        clean = top is not None and _overload_clean(top)
+        ok = ok and clean and ratio is not None and ratio <= 3.0
+        measured.append(
+            f"run {index}: p99 {ratio:.2f}x, {top['timeouts'] + top['errors'] if top else '?'} timeouts or errors, "
+            f"{top['shed_retry_after'] if top else '?'} of {top['shed'] if top else '?'} 503s with Retry-After"
+            if ratio is not None
+            else f"run {index}: no 200s to compare"
+        )
+    return (
+        "overload at 2x capacity: only 200s and 503s with Retry-After; the 200s' p99 <= 3x their p99 at 0.5x "
+        "(asgi_lifetime, shedding on)",
+        "; ".join(measured),
+        ok,
+    )
+
+
+def _ms_or_s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _overload(results: dict[str, Any], add: Any) -> None:
+    ov = results["overload"]
+    rates = sorted({rate for round_ in ov["rounds"] for runs in round_["runs"].values() for rate in runs}, key=float)
+    add(f"## 7. Overload: open loop at {', '.join(f'{rate}x' for rate in rates)} capacity")
+    add("")
+    settings = ov["settings"]
+    runs_text = (
+        "one run"
+        if len(ov["rounds"]) == 1
+        else f"{len(ov['rounds'])} runs of the whole section, one after the other (compare rows within a run)"
+    )
+    add(
+        f"Run on its own on {ov['date']} ({ov['seconds'] / 60:.1f} minutes), apart from the rest of the page; "
+        f"{runs_text}. **The machine has 2 cores shared with "
+        "other work** (other test suites ran during these runs; the load average is given per run): the absolute "
+        "figures, the tails above all, are noisy. Reproduce with "
+        "`.venv/bin/python -m benchmarks.run --only overload` (about 10 minutes; `--quick`: 6 s per rate, one run)."
+    )
+    add("")
+    add(
+        f"Requests arrive at a fixed rate, one new connection each, sent at their time whether or not earlier ones "
+        f"were answered (open loop, `benchmarks/overload.py`), for {ov['run_seconds']:g} s per rate and target. The "
+        f"upstream serves {ov['slots']} requests at a time, each streamed over {ov['service_seconds']:g} s, and "
+        f"queues the rest (FIFO), as a model server does; the gateway's `MAX_INFLIGHT` is {ov['slots']}. The "
+        f"capacity is measured first, closed loop ({2 * ov['slots']} keep-alive workers through the gateway with "
+        "shedding off); "
+        "the rates are multiples of it. A request not answered within "
+        f"{ov['client_timeout']:g} s of its scheduled time is a timeout; latency is from the scheduled time to the "
+        "answer's last byte. Targets run interleaved, each with its own upstream: *shedding on* is the gateway with "
+        f"its defaults (`ADMISSION_TARGET_DELAY={settings['admission_target_delay']:g}`, "
+        f"`ADMISSION_INTERVAL={settings['admission_interval']:g}`, `ADMISSION_TIMEOUT="
+        f"{settings['admission_timeout']:g}`), *shedding off* the same with `ADMISSION_TARGET_DELAY=0` (the FIFO "
+        "queue of before), and the ordinary proxy, which has no admission control (its upstream's queue grows "
+        "instead). *Queue wait* is the gateway's own `admission_queue_seconds` histogram for the admitted requests: "
+        "the mean, and the bucket bound 99% of them were under."
+    )
+    add("")
+    for index, round_ in enumerate(ov["rounds"], 1):
+        load = round_.get("load")
+        load_text = f", load average {load[0]:.1f} -> {load[1]:.1f}" if load else ""
+        add(f"**Run {index}**: capacity {round_['capacity']:.1f} req/s{load_text}.")
+        add("")
+        add(
+            "| load | target | sent | 200 | 503 (with Retry-After) | timeouts | errors | 200 p50 | 200 p99 | "
+            "503 p50 | 503 p99 | queue wait: mean, p99 under |"
+        )
+        add("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for rate in rates:
+            for key, runs in round_["runs"].items():
+                run = runs.get(rate)
+                if run is None:
+                    continue
+                adm = run.get("admission")
+                queue = (
+                    f"{_ms_or_s(adm['mean_wait'])}, {_ms_or_s(adm['wait_p99_under'])}"
+                    if adm and adm["admitted"]
+                    else "-"
+                )
+                add(
+                    f"| {rate}x | {OVERLOAD_LABELS.get(key, key)} | {run['sent']} | {run['ok']} | {run['shed']} "
+                    f"({run['shed_retry_after']}) | {run['timeouts']} | {run['errors']} | {_ms_or_s(run['ok_p50'])} | "
+                    f"{_ms_or_s(run['ok_p99'])} | {_ms_or_s(run['shed_p50'])} | {_ms_or_s(run['shed_p99'])} | "
+                    f"{queue} |"
+                )
+        add("")
+        ratios = [
+            f"{OVERLOAD_LABELS.get(key, key)} {ratio:.2f}x"
+            for key in round_["runs"]
+            if (ratio := _overload_ratios(round_, key)) is not None
+        ]
+        add(f"The 200s' p99 at 2x over their p99 at 0.5x: {', '.join(ratios)}.")
         add("")
 
 
