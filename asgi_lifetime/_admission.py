@@ -25,6 +25,7 @@ middleware registers ``ticket.release`` with the request's scope).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from ._exceptions import AdmissionRejected
 from ._stats import SHED_REASONS, Counters
 
 __all__ = ["Admission", "Ticket"]
+
+logger = logging.getLogger(__name__)
 
 
 class _Waiter:
@@ -158,7 +161,10 @@ class Admission:
         ticket = Ticket(self, 0, order=self._admitted)
         ticket._set(min(nbytes, self.max_inflight_bytes))
         for listener in self._wait_listeners:
-            listener(waited)
+            try:
+                listener(waited)
+            except Exception:  # a metrics hook must not cost the request its slot (nor leak it)
+                logger.exception("admission wait listener %r failed", listener)
         return ticket
 
     def _fits(self, slots: int, nbytes: int) -> bool:

@@ -38,7 +38,9 @@ def _verdict(ok: bool) -> str:
     return "**met**" if ok else "**not met**"
 
 
-def write_report(results: dict[str, Any], out: Path, *, plots: bool) -> None:
+def write_report(results: dict[str, Any], out: Path, *, plots: bool, redraw: frozenset[str] | None = None) -> None:
+    """``plots``: the page shows the plots; ``redraw``: the sections whose plots are drawn again
+    (``None``: all; a partial run redraws only its own, and the others' files stay as they are)."""
     lines: list[str] = []
     add = lines.append
     m = results["machine"]
@@ -92,9 +94,9 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool) -> None:
     add("")
     _targets(results, add)
     if "memory" in results:
-        _memory(results, add, out, plots)
+        _memory(results, add, out, plots, draw=plots and (redraw is None or "memory" in redraw))
     if "steady" in results:
-        _steady(results, add, out, plots)
+        _steady(results, add, out, plots, draw=plots and (redraw is None or "steady" in redraw))
     if "overhead" in results:
         _overhead(results, add)
     if "ttfb" in results:
@@ -293,14 +295,14 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
         elif name.startswith("steady"):
             lines.append("*Steady state*: see section 2.")
         elif name.startswith("overload"):
-            lines.append("*Overload*: see section 7.")
+            lines.append(_overload_miss(results["overload"]))
     return lines
 
 
 # -- sections ----------------------------------------------------------------------------------------------
 
 
-def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
+def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: bool) -> None:
     mem = results["memory"]
     add("## 1. Memory vs request size and answer length")
     add("")
@@ -329,7 +331,8 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
     if mem["timeline"]:
         size = mem["timeline"][0]["size"]
         if plots:
-            _plot_timeline(mem["timeline"], out / "benchmarks_memory_timeline.png")
+            if draw:
+                _plot_timeline(mem["timeline"], out / "benchmarks_memory_timeline.png")
             add(f"![RSS over time, {size / MiB:.0f} MiB many-turn request](benchmarks_memory_timeline.png)")
             add("")
         add(
@@ -355,7 +358,8 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
             )
         add("")
         if plots:
-            _plot_sweep(mem["sweep"], out / "benchmarks_answer_length.png")
+            if draw:
+                _plot_sweep(mem["sweep"], out / "benchmarks_answer_length.png")
             add("![Memory x time vs answer length](benchmarks_answer_length.png)")
             add("")
     records, size = _reference(results)
@@ -388,7 +392,7 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
     add("")
 
 
-def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
+def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: bool) -> None:
     st = results["steady"]
     add("## 2. Steady state")
     add("")
@@ -420,7 +424,8 @@ def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
         )
         add("")
     if plots:
-        _plot_steady(st, out / "benchmarks_steady_state.png")
+        if draw:
+            _plot_steady(st, out / "benchmarks_steady_state.png")
         add("![RSS after each request](benchmarks_steady_state.png)")
         add("")
     add(
@@ -433,7 +438,7 @@ def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
         "The fix: `asgi_lifetime.gateway._memory.trim_after_large_request(nbytes, enabled=settings.malloc_trim)` calls "
         "glibc's `malloc_trim(0)` (via ctypes; a no-op elsewhere) for requests of 8 MiB or more, unless the "
         "`MALLOC_TRIM` setting is off: every 8 MiB written while `prepare()` serializes a changed body; at the "
-        "settle point, after the parse and the raw body are released (`_gateway._Input.release`); and once more "
+        "settle point, after the parse and the raw body are released (`_gateway._InputCharge.release`); and once more "
         "at the end of the request when a retained outbound body was released (below 32 MiB glibc's growing mmap "
         "threshold may have put it on the heap). Its cost is in section 6."
     )
@@ -650,6 +655,23 @@ def _overload_target(ov: dict[str, Any]) -> tuple[str, str, bool]:
     )
 
 
+def _overload_miss(ov: dict[str, Any]) -> str:
+    parts = []
+    for index, round_ in enumerate(ov["rounds"], 1):
+        ratio = _overload_ratios(round_, "gw_shed")
+        top = round_["runs"]["gw_shed"].get("2", {})
+        load = round_.get("load")
+        parts.append(f"run {index}: {ratio:.2f}x" if ratio is not None else f"run {index}: no ratio")
+        if load:
+            parts[-1] += f" at a load average of {load[0]:.1f} -> {load[1]:.1f}"
+        if top:
+            parts[-1] += (
+                f", the gateway answering its 503s in {_ms_or_s(top['shed_p50'])} at the median and 200 to "
+                f"{top['ok']} of {top['sent']} requests"
+            )
+    return "*Overload at 2x*: " + "; ".join(parts) + " (section 7)."
+
+
 def _ms_or_s(value: float | None) -> str:
     if value is None:
         return "-"
@@ -756,7 +778,7 @@ def _changes(add: Any) -> None:
     )
     add(
         "4. `_memory.trim_after_large_request` (glibc `malloc_trim(0)`) at the settle point "
-        "(`_gateway._Input.release`, requests of 8 MiB or more): RSS while streaming 161 -> 72 MiB (retain on), "
+        "(`_gateway._InputCharge.release`, requests of 8 MiB or more): RSS while streaming 161 -> 72 MiB (retain on), "
         "154 -> 8 MiB (retain off); after the response 94 -> 5 MiB. A second call when a retained outbound body "
         "is released at the end of the request: 10 sequential 16 MiB requests grew by 18 MiB without it, 1 MiB "
         "with it."

@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     if not only or "total_seconds" not in results:
         results["total_seconds"] = time.monotonic() - started
     store.write_text(json.dumps(results, indent=1))
-    write_report(results, out, plots=mode.plots)
+    write_report(results, out, plots=mode.plots, redraw=frozenset(only) if only else None)
     log(f"done in {results['total_seconds']:.0f} s: {out / 'benchmarks.md'}")
     return 0
 

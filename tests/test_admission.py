@@ -950,3 +950,21 @@ async def test_queued_requests_gauge_returns_to_zero(how: str) -> None:
     assert counters.queued_requests == 0
     holder.release()
     assert counters.snapshot().idle
+
+
+async def test_a_failing_wait_listener_neither_refuses_nor_leaks(
+    counters: Counters, caplog: pytest.LogCaptureFixture
+) -> None:
+    admission = make(counters)
+    seen: list[float] = []
+
+    def broken(seconds: float) -> None:
+        raise RuntimeError("metrics backend down")
+
+    admission.on_admitted(broken)
+    admission.on_admitted(seen.append)
+    with anyio.fail_after(1):
+        ticket = await admission.acquire(10)
+    assert seen == [0.0]  # the next listener still heard of it
+    assert "admission wait listener" in caplog.text
+    ticket.release()
