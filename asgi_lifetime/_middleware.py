@@ -49,6 +49,8 @@ class Lifetime:
             max_inflight_bytes=settings.max_inflight_bytes,
             timeout=settings.admission_timeout,
             counters=self.counters,
+            target_delay=settings.admission_target_delay,
+            interval=settings.admission_interval,
         )
 
     def stats(self) -> LifetimeStats:

@@ -175,6 +175,19 @@ SETTINGS: dict[str, SettingSpec] = {
             "Sum of admitted request bodies, charged as bytes arrive and decode.",
         ),
         SettingSpec("admission_timeout", _parse_float, _non_negative, "Seconds a request may wait for admission."),
+        SettingSpec(
+            "admission_target_delay",
+            _parse_float,
+            _non_negative,
+            "Queueing delay tolerated: once the longest wait for a slot has stayed above it for "
+            "ADMISSION_INTERVAL, a new request that cannot be admitted at once gets 503 at once; 0: plain FIFO queue.",
+        ),
+        SettingSpec(
+            "admission_interval",
+            _parse_float,
+            _positive,
+            "Seconds the queue delay must stay above ADMISSION_TARGET_DELAY before new requests are shed.",
+        ),
         SettingSpec("paths", _parse_list, _path_prefixes, "Comma-separated path prefixes the middleware handles."),
         # Forwarding.
         SettingSpec("upstream_url", _parse_list, _urls, "Comma-separated upstream base URLs."),
@@ -271,6 +284,8 @@ class LifetimeSettings:
     max_inflight: int = 64
     max_inflight_bytes: int = 1 * GiB
     admission_timeout: float = 10.0
+    admission_target_delay: float = 0.05
+    admission_interval: float = 0.5
     paths: tuple[str, ...] = ("/v1/",)
 
     upstream_url: tuple[str, ...] = ()

@@ -10,22 +10,36 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["Counters", "LifetimeStats"]
+__all__ = ["SHED_REASONS", "Counters", "LifetimeStats"]
+
+SHED_REASONS = {
+    "standing_queue": "shed_standing_queue",
+    "timeout": "shed_timeout",
+    "draining": "shed_draining",
+    "budget_deadlock": "shed_budget_deadlock",
+}
+"""Why admission turned a request away (503), and the total that counts it: the queue was standing
+(refused at once), waited ``ADMISSION_TIMEOUT``, shutting down, or the byte budget deadlocked."""
 
 
 @dataclass(frozen=True, slots=True)
 class LifetimeStats:
     """A point-in-time snapshot of the live counters."""
 
-    # Gauges: what is held right now.
+    # Gauges: what is held (or waiting for admission) right now.
     inflight_requests: int = 0
     inflight_bytes: int = 0
+    queued_requests: int = 0
     retained_input_bytes: int = 0
     live_resources: int = 0
     pinned_sessions: int = 0
     # Totals since start.
     admitted: int = 0
     rejected: int = 0
+    shed_standing_queue: int = 0
+    shed_timeout: int = 0
+    shed_draining: int = 0
+    shed_budget_deadlock: int = 0
     aborted: int = 0
     too_large: int = 0
     timed_out: int = 0
@@ -40,10 +54,12 @@ class LifetimeStats:
 
     @property
     def idle(self) -> bool:
-        """True when nothing is held: no request, bytes, retained input, resource or pin."""
+        """True when nothing is held or waiting: no request (admitted or queued), bytes, retained input,
+        resource or pin."""
         return not (
             self.inflight_requests
             or self.inflight_bytes
+            or self.queued_requests
             or self.retained_input_bytes
             or self.live_resources
             or self.pinned_sessions
@@ -60,11 +76,16 @@ class Counters:
 
     inflight_requests: int
     inflight_bytes: int
+    queued_requests: int
     retained_input_bytes: int
     live_resources: int
     pinned_sessions: int
     admitted: int
     rejected: int
+    shed_standing_queue: int
+    shed_timeout: int
+    shed_draining: int
+    shed_budget_deadlock: int
     aborted: int
     too_large: int
     timed_out: int

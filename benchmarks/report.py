@@ -38,7 +38,9 @@ def _verdict(ok: bool) -> str:
     return "**met**" if ok else "**not met**"
 
 
-def write_report(results: dict[str, Any], out: Path, *, plots: bool) -> None:
+def write_report(results: dict[str, Any], out: Path, *, plots: bool, redraw: frozenset[str] | None = None) -> None:
+    """``plots``: the page shows the plots; ``redraw``: the sections whose plots are drawn again
+    (``None``: all; a partial run redraws only its own, and the others' files stay as they are)."""
     lines: list[str] = []
     add = lines.append
     m = results["machine"]
@@ -92,9 +94,9 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool) -> None:
     add("")
     _targets(results, add)
     if "memory" in results:
-        _memory(results, add, out, plots)
+        _memory(results, add, out, plots, draw=plots and (redraw is None or "memory" in redraw))
     if "steady" in results:
-        _steady(results, add, out, plots)
+        _steady(results, add, out, plots, draw=plots and (redraw is None or "steady" in redraw))
     if "overhead" in results:
         _overhead(results, add)
     if "ttfb" in results:
@@ -103,6 +105,8 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool) -> None:
         _fingerprint(results, add)
     if "codec" in results:
         _codec(results, add)
+    if "overload" in results:
+        _overload(results, add)
     _changes(add)
     (out / "benchmarks.md").write_text("\n".join(lines) + "\n")
 
@@ -201,6 +205,8 @@ def _targets(results: dict[str, Any], add: Any) -> None:
                     added_g <= added_o,
                 )
             )
+    if "overload" in results:
+        rows.append(_overload_target(results["overload"]))
     if "fingerprint" in results:
         worst = max(results["fingerprint"], key=lambda r: (r["blake3_chunked"] + r["verdict"]) / r["stdlib_loads"])
         ratio = (worst["blake3_chunked"] + worst["verdict"]) / worst["stdlib_loads"]
@@ -288,13 +294,15 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
             lines.append(f"*{name}*: see section 4.")
         elif name.startswith("steady"):
             lines.append("*Steady state*: see section 2.")
+        elif name.startswith("overload"):
+            lines.append(_overload_miss(results["overload"]))
     return lines
 
 
 # -- sections ----------------------------------------------------------------------------------------------
 
 
-def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
+def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: bool) -> None:
     mem = results["memory"]
     add("## 1. Memory vs request size and answer length")
     add("")
@@ -323,7 +331,8 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
     if mem["timeline"]:
         size = mem["timeline"][0]["size"]
         if plots:
-            _plot_timeline(mem["timeline"], out / "benchmarks_memory_timeline.png")
+            if draw:
+                _plot_timeline(mem["timeline"], out / "benchmarks_memory_timeline.png")
             add(f"![RSS over time, {size / MiB:.0f} MiB many-turn request](benchmarks_memory_timeline.png)")
             add("")
         add(
@@ -349,7 +358,8 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
             )
         add("")
         if plots:
-            _plot_sweep(mem["sweep"], out / "benchmarks_answer_length.png")
+            if draw:
+                _plot_sweep(mem["sweep"], out / "benchmarks_answer_length.png")
             add("![Memory x time vs answer length](benchmarks_answer_length.png)")
             add("")
     records, size = _reference(results)
@@ -382,7 +392,7 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
     add("")
 
 
-def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
+def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: bool) -> None:
     st = results["steady"]
     add("## 2. Steady state")
     add("")
@@ -414,7 +424,8 @@ def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
         )
         add("")
     if plots:
-        _plot_steady(st, out / "benchmarks_steady_state.png")
+        if draw:
+            _plot_steady(st, out / "benchmarks_steady_state.png")
         add("![RSS after each request](benchmarks_steady_state.png)")
         add("")
     add(
@@ -427,7 +438,7 @@ def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool) -> None:
         "The fix: `asgi_lifetime.gateway._memory.trim_after_large_request(nbytes, enabled=settings.malloc_trim)` calls "
         "glibc's `malloc_trim(0)` (via ctypes; a no-op elsewhere) for requests of 8 MiB or more, unless the "
         "`MALLOC_TRIM` setting is off: every 8 MiB written while `prepare()` serializes a changed body; at the "
-        "settle point, after the parse and the raw body are released (`_gateway._Input.release`); and once more "
+        "settle point, after the parse and the raw body are released (`_gateway._InputCharge.release`); and once more "
         "at the end of the request when a retained outbound body was released (below 32 MiB glibc's growing mmap "
         "threshold may have put it on the heap). Its cost is in section 6."
     )
@@ -602,6 +613,145 @@ def _codec(results: dict[str, Any], add: Any) -> None:
         add("")
 
 
+OVERLOAD_LABELS = {
+    "gw_shed": "asgi_lifetime, shedding on (defaults)",
+    "gw_fifo": "asgi_lifetime, shedding off (FIFO)",
+    "ordinary": "ordinary proxy",
+}
+
+
+def _overload_ratios(round_: dict[str, Any], key: str) -> float | None:
+    runs = round_["runs"][key]
+    low, high = runs.get("0.5"), runs.get("2")
+    if not low or not high or not low["ok_p99"] or not high["ok_p99"]:
+        return None
+    return float(high["ok_p99"] / low["ok_p99"])
+
+
+def _overload_clean(run: dict[str, Any]) -> bool:
+    """Only 200s and 503s with Retry-After: no timeout, no error, every 503 with the header."""
+    return not run["timeouts"] and not run["errors"] and run["shed_retry_after"] == run["shed"]
+
+
+def _overload_target(ov: dict[str, Any]) -> tuple[str, str, bool]:
+    measured = []
+    ok = True
+    for index, round_ in enumerate(ov["rounds"], 1):
+        ratio = _overload_ratios(round_, "gw_shed")
+        top = round_["runs"]["gw_shed"].get("2")
+        clean = top is not None and _overload_clean(top)
+        ok = ok and clean and ratio is not None and ratio <= 3.0
+        measured.append(
+            f"run {index}: p99 {ratio:.2f}x, {top['timeouts'] + top['errors'] if top else '?'} timeouts or errors, "
+            f"{top['shed_retry_after'] if top else '?'} of {top['shed'] if top else '?'} 503s with Retry-After"
+            if ratio is not None
+            else f"run {index}: no 200s to compare"
+        )
+    return (
+        "overload at 2x capacity: only 200s and 503s with Retry-After; the 200s' p99 <= 3x their p99 at 0.5x "
+        "(asgi_lifetime, shedding on)",
+        "; ".join(measured),
+        ok,
+    )
+
+
+def _overload_miss(ov: dict[str, Any]) -> str:
+    parts = []
+    for index, round_ in enumerate(ov["rounds"], 1):
+        ratio = _overload_ratios(round_, "gw_shed")
+        top = round_["runs"]["gw_shed"].get("2", {})
+        load = round_.get("load")
+        parts.append(f"run {index}: {ratio:.2f}x" if ratio is not None else f"run {index}: no ratio")
+        if load:
+            parts[-1] += f" at a load average of {load[0]:.1f} -> {load[1]:.1f}"
+        if top:
+            parts[-1] += (
+                f", the gateway answering its 503s in {_ms_or_s(top['shed_p50'])} at the median and 200 to "
+                f"{top['ok']} of {top['sent']} requests"
+            )
+    return "*Overload at 2x*: " + "; ".join(parts) + " (section 7)."
+
+
+def _ms_or_s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _overload(results: dict[str, Any], add: Any) -> None:
+    ov = results["overload"]
+    rates = sorted({rate for round_ in ov["rounds"] for runs in round_["runs"].values() for rate in runs}, key=float)
+    add(f"## 7. Overload: open loop at {', '.join(f'{rate}x' for rate in rates)} capacity")
+    add("")
+    settings = ov["settings"]
+    runs_text = (
+        "one run"
+        if len(ov["rounds"]) == 1
+        else f"{len(ov['rounds'])} runs of the whole section, one after the other (compare rows within a run)"
+    )
+    add(
+        f"Run on its own on {ov['date']} ({ov['seconds'] / 60:.1f} minutes), apart from the rest of the page; "
+        f"{runs_text}. **The machine has 2 cores shared with "
+        "other work** (other test suites ran during these runs; the load average is given per run): the absolute "
+        "figures, the tails above all, are noisy. Reproduce with "
+        "`.venv/bin/python -m benchmarks.run --only overload` (about 10 minutes; `--quick`: 6 s per rate, one run)."
+    )
+    add("")
+    add(
+        f"Requests arrive at a fixed rate, one new connection each, sent at their time whether or not earlier ones "
+        f"were answered (open loop, `benchmarks/overload.py`), for {ov['run_seconds']:g} s per rate and target. The "
+        f"upstream serves {ov['slots']} requests at a time, each streamed over {ov['service_seconds']:g} s, and "
+        f"queues the rest (FIFO), as a model server does; the gateway's `MAX_INFLIGHT` is {ov['slots']}. The "
+        f"capacity is measured first, closed loop ({2 * ov['slots']} keep-alive workers through the gateway with "
+        "shedding off); "
+        "the rates are multiples of it. A request not answered within "
+        f"{ov['client_timeout']:g} s of its scheduled time is a timeout; latency is from the scheduled time to the "
+        "answer's last byte. Targets run interleaved, each with its own upstream: *shedding on* is the gateway with "
+        f"its defaults (`ADMISSION_TARGET_DELAY={settings['admission_target_delay']:g}`, "
+        f"`ADMISSION_INTERVAL={settings['admission_interval']:g}`, `ADMISSION_TIMEOUT="
+        f"{settings['admission_timeout']:g}`), *shedding off* the same with `ADMISSION_TARGET_DELAY=0` (the FIFO "
+        "queue of before), and the ordinary proxy, which has no admission control (its upstream's queue grows "
+        "instead). *Queue wait* is the gateway's own `admission_queue_seconds` histogram for the admitted requests: "
+        "the mean, and the bucket bound 99% of them were under."
+    )
+    add("")
+    for index, round_ in enumerate(ov["rounds"], 1):
+        load = round_.get("load")
+        load_text = f", load average {load[0]:.1f} -> {load[1]:.1f}" if load else ""
+        add(f"**Run {index}**: capacity {round_['capacity']:.1f} req/s{load_text}.")
+        add("")
+        add(
+            "| load | target | sent | 200 | 503 (with Retry-After) | timeouts | errors | 200 p50 | 200 p99 | "
+            "503 p50 | 503 p99 | queue wait: mean, p99 under |"
+        )
+        add("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for rate in rates:
+            for key, runs in round_["runs"].items():
+                run = runs.get(rate)
+                if run is None:
+                    continue
+                adm = run.get("admission")
+                queue = (
+                    f"{_ms_or_s(adm['mean_wait'])}, {_ms_or_s(adm['wait_p99_under'])}"
+                    if adm and adm["admitted"]
+                    else "-"
+                )
+                add(
+                    f"| {rate}x | {OVERLOAD_LABELS.get(key, key)} | {run['sent']} | {run['ok']} | {run['shed']} "
+                    f"({run['shed_retry_after']}) | {run['timeouts']} | {run['errors']} | {_ms_or_s(run['ok_p50'])} | "
+                    f"{_ms_or_s(run['ok_p99'])} | {_ms_or_s(run['shed_p50'])} | {_ms_or_s(run['shed_p99'])} | "
+                    f"{queue} |"
+                )
+        add("")
+        ratios = [
+            f"{OVERLOAD_LABELS.get(key, key)} {ratio:.2f}x"
+            for key in round_["runs"]
+            if (ratio := _overload_ratios(round_, key)) is not None
+        ]
+        add(f"The 200s' p99 at 2x over their p99 at 0.5x: {', '.join(ratios)}.")
+        add("")
+
+
 def _changes(add: Any) -> None:
     import json
 
@@ -628,7 +778,7 @@ def _changes(add: Any) -> None:
     )
     add(
         "4. `_memory.trim_after_large_request` (glibc `malloc_trim(0)`) at the settle point "
-        "(`_gateway._Input.release`, requests of 8 MiB or more): RSS while streaming 161 -> 72 MiB (retain on), "
+        "(`_gateway._InputCharge.release`, requests of 8 MiB or more): RSS while streaming 161 -> 72 MiB (retain on), "
         "154 -> 8 MiB (retain off); after the response 94 -> 5 MiB. A second call when a retained outbound body "
         "is released at the end of the request: 10 sequential 16 MiB requests grew by 18 MiB without it, 1 MiB "
         "with it."

@@ -2,6 +2,8 @@
 
 Kinds: ``demo`` (the package's demo upstream), ``sink`` (an upstream that reads the body
 without parsing it and answers at once: isolates a proxy's own time to first byte),
+``slots`` (an upstream with a fixed capacity: ``--slots`` answers at once, each streamed over
+``--service-seconds``, the rest wait in its FIFO queue, as a model server's batch does),
 ``gateway`` (``asgi_lifetime.gateway.create_app`` with a preparer that injects a system
 message), ``gateway-unchanged`` (no preparer: the body is forwarded as received),
 ``ordinary`` (benchmarks/ordinary_proxy.py) and ``bare`` (benchmarks/bare_forwarder.py).
@@ -61,7 +63,79 @@ async def sink(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def build_app(kind: str, *, upstream: str | None, retain: bool, tokens_per_second: float, trim: bool = True) -> Any:
+def slots_upstream(slots: int, seconds: float, events: int = 10) -> Any:
+    """An upstream that serves ``slots`` requests at a time (FIFO queue for the rest), each streaming
+    ``events`` content events over ``seconds``. ``GET /_stats``: ``{"active": n, "waiting": m}``."""
+    import json
+
+    import anyio
+
+    state = {"active": 0, "waiting": 0}
+    limiter: list[anyio.Semaphore] = []  # made on first use, in the server's event loop
+    content = b'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok "}}]}\n\n'
+    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["path"] == "/_stats":
+            body = json.dumps(state).encode()
+            json_headers = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        more_body = True
+        while more_body:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            more_body = message.get("more_body", False)
+        if not limiter:
+            limiter.append(anyio.Semaphore(slots))
+        state["waiting"] += 1
+        waiting = True
+        try:
+            async with limiter[0]:
+                state["waiting"] -= 1
+                waiting = False
+                state["active"] += 1
+                try:
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    await send({"type": "http.response.body", "body": _SINK_EVENTS[0], "more_body": True})
+                    for _ in range(events):
+                        await anyio.sleep(seconds / events)
+                        await send({"type": "http.response.body", "body": content, "more_body": True})
+                    for event in _SINK_EVENTS[2:]:
+                        await send({"type": "http.response.body", "body": event, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                finally:
+                    state["active"] -= 1
+        finally:
+            if waiting:
+                state["waiting"] -= 1
+
+    return app
+
+
+def build_app(
+    kind: str,
+    *,
+    upstream: str | None,
+    retain: bool,
+    tokens_per_second: float,
+    trim: bool = True,
+    settings_changes: dict[str, str] | None = None,
+    slots: int = 16,
+    service_seconds: float = 0.5,
+) -> Any:
+    if kind == "slots":
+        return slots_upstream(slots, service_seconds)
     if kind == "demo":
         from asgi_lifetime.testing._upstream import create_demo_upstream
 
@@ -81,6 +155,8 @@ def build_app(kind: str, *, upstream: str | None, retain: bool, tokens_per_secon
             retain_outbound=retain,
             malloc_trim=trim,
         )
+        if settings_changes:
+            settings = LifetimeSettings.from_mapping(settings_changes, base=settings)
         client = None
         if os.environ.get("BENCH_KEEPALIVE"):  # diagnosis only: the upstream pool's keep-alive size
             import httpx
@@ -175,6 +251,9 @@ def main() -> None:
     parser.add_argument("--retain", choices=["on", "off"], default="on")
     parser.add_argument("--tokens-per-second", type=float, default=50.0)
     parser.add_argument("--no-trim", action="store_true", help="gateway: MALLOC_TRIM off (no malloc_trim at all)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="gateway: a setting")
+    parser.add_argument("--slots", type=int, default=16, help="slots: requests served at once")
+    parser.add_argument("--service-seconds", type=float, default=0.5, help="slots: seconds each answer streams")
     args = parser.parse_args()
     app = build_app(
         args.kind,
@@ -182,6 +261,9 @@ def main() -> None:
         retain=args.retain == "on",
         tokens_per_second=args.tokens_per_second,
         trim=not args.no_trim,
+        settings_changes=dict(item.split("=", 1) for item in args.set),
+        slots=args.slots,
+        service_seconds=args.service_seconds,
     )
 
     if os.environ.get("BENCH_PROBE") == "1":
@@ -220,6 +302,8 @@ class Server:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         trim: bool = True,
+        settings: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.kind = kind
         cmd = [
@@ -236,6 +320,9 @@ class Server:
             cmd += ["--upstream", upstream]
         if not trim:
             cmd.append("--no-trim")
+        for name, value in (settings or {}).items():
+            cmd += ["--set", f"{name}={value}"]
+        cmd += extra_args or []
         self._cmd = cmd
         self._env = {**os.environ, **(env or {})}
         self._cwd = cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,7 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from asgi_lifetime._admission import Admission, Ticket
+from asgi_lifetime._admission import Admission, Ticket, _QueueDelay
 from asgi_lifetime._exceptions import AdmissionRejected
 from asgi_lifetime._stats import Counters
 
@@ -29,7 +29,7 @@ def make(counters: Counters, *, max_inflight: int = 10, timeout: float = 10.0) -
 
 
 def queued(admission: Admission) -> int:
-    return len(admission._waiters)
+    return len(admission._arrivals) + len(admission._grows)
 
 
 class Requester:
@@ -541,3 +541,430 @@ async def test_no_request_is_turned_away_while_a_holder_may_still_give_back(coun
     assert "not admitted within" in excinfo.value.message  # the timeout, not the deadlock breaker
     waiting.release()
     busy.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# Standing queue (CoDel-style shedding of new arrivals), driven by an injected clock
+
+TARGET = 0.05
+INTERVAL = 0.5
+
+
+class Clock:
+    """The admission's clock, moved by hand: queue delays without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def shedding(
+    counters: Counters, clock: Clock, *, max_inflight: int = 1, timeout: float = 30.0, target: float = TARGET
+) -> Admission:
+    return Admission(
+        max_inflight=max_inflight,
+        max_inflight_bytes=BUDGET,
+        timeout=timeout,
+        counters=counters,
+        target_delay=target,
+        interval=INTERVAL,
+        clock=clock,
+    )
+
+
+@pytest.mark.parametrize(
+    ("waited", "standing"),
+    [
+        (0.0, False),
+        (TARGET, False),
+        (TARGET + INTERVAL - 0.01, False),  # above target, but not yet for a whole interval
+        (TARGET + INTERVAL + 0.01, True),
+        (60.0, True),
+    ],
+)
+def test_queue_delay_standing_after_target_for_an_interval(waited: float, standing: bool) -> None:
+    delay = _QueueDelay(TARGET, INTERVAL)
+    assert not delay.standing(False, 100.0)  # an empty queue is good
+    delay.new_oldest(100.0, 100.0)
+    assert delay.standing(True, 100.0 + waited) is standing
+
+
+def test_queue_delay_an_oldest_waiter_already_over_target_does_not_make_the_queue_good() -> None:
+    """FIFO under overload: each waiter becomes the oldest after waiting longer than the target, so
+    the queue has been bad since the first one passed it, however many have left since."""
+    delay = _QueueDelay(TARGET, INTERVAL)
+    delay.new_oldest(0.0, 0.0)  # A arrives at 0 (B at 0.2 changes nothing)
+    delay.new_oldest(0.2, 0.4)  # A admitted at 0.4: B, waiting for 0.2 s already, is the oldest
+    assert not delay.standing(True, TARGET + INTERVAL - 0.01)
+    delay.new_oldest(0.5, 0.7)  # B admitted at 0.7: C (arrived at 0.5) is the oldest
+    assert delay.standing(True, 0.7)  # bad since 0.05: for more than an interval
+
+
+def test_queue_delay_an_oldest_waiter_within_target_makes_the_queue_good() -> None:
+    delay = _QueueDelay(TARGET, INTERVAL)
+    delay.new_oldest(0.0, 0.0)
+    delay.new_oldest(0.38, 0.4)  # the next one had waited 0.02 s: good again until 0.43
+    assert not delay.standing(True, 0.43 + INTERVAL - 0.01)
+    assert delay.standing(True, 0.43 + INTERVAL + 0.01)
+
+
+def test_queue_delay_an_empty_queue_is_good() -> None:
+    delay = _QueueDelay(TARGET, INTERVAL)
+    delay.new_oldest(0.0, 0.0)
+    assert delay.standing(True, 5.0)
+    delay.new_oldest(None, 5.0)  # emptied at 5
+    assert not delay.standing(False, 5.5)
+    delay.new_oldest(6.0, 6.0)
+    assert not delay.standing(True, 6.0 + TARGET + INTERVAL - 0.01)
+    assert delay.standing(True, 6.0 + TARGET + INTERVAL + 0.01)
+
+
+def test_queue_delay_target_zero_never_stands() -> None:
+    delay = _QueueDelay(0.0, INTERVAL)
+    delay.new_oldest(0.0, 0.0)
+    assert not delay.standing(True, 1e6)
+
+
+async def test_standing_queue_refuses_new_arrivals_at_once(counters: Counters) -> None:
+    clock = Clock()
+    admission = shedding(counters, clock)
+    waits: list[float] = []
+    admission.on_admitted(waits.append)
+    holder = await admission.acquire(1)  # e.g. a long stream: nothing drains
+    async with anyio.create_task_group() as tg:
+        first = await start(tg, Requester(admission, 1))
+        clock.advance(TARGET + INTERVAL - 0.01)
+        assert not admission.standing()
+        second = await start(tg, Requester(admission, 1))  # over target, not for an interval yet: queued
+        assert counters.queued_requests == 2
+        clock.advance(0.02)
+        assert admission.standing()
+        with anyio.fail_after(1), pytest.raises(AdmissionRejected) as info:
+            await admission.acquire(1)  # refused without waiting: the fake clock never moves here
+        assert info.value.status_code == 503
+        assert info.value.headers == {"retry-after": "30"}
+        assert "not draining" in info.value.message
+        assert (counters.shed_standing_queue, counters.rejected, counters.queued_requests) == (1, 1, 2)
+        # Those already waiting keep their place, in order.
+        clock.advance(0.1)
+        holder.release()
+        with anyio.fail_after(1):
+            await first.admitted.wait()
+        assert not second.admitted.is_set()
+        first.release()
+        with anyio.fail_after(1):
+            await second.admitted.wait()
+        second.release()
+    assert waits == [0.0, pytest.approx(TARGET + INTERVAL + 0.11), pytest.approx(0.12)]
+    assert counters.shed_timeout == 0
+    assert counters.queued_requests == 0
+
+
+async def test_burst_draining_within_the_interval_is_queued_and_admitted(counters: Counters) -> None:
+    """Over target, but draining: every request of the burst, and one arriving during it, is admitted."""
+    clock = Clock()
+    admission = shedding(counters, clock)
+    holder = await admission.acquire(1)
+    async with anyio.create_task_group() as tg:
+        burst = [await start(tg, Requester(admission, 1)) for _ in range(3)]
+        assert counters.queued_requests == 3
+        previous = holder.release
+        for index, requester in enumerate(burst):
+            clock.advance(0.1)  # each waits 0.1 s more than the last: over TARGET
+            previous()
+            with anyio.fail_after(1):
+                await requester.admitted.wait()
+            if index == 1:  # 0.2 s into the burst: the queue is bad, but not for an interval
+                assert not admission.standing()
+                late = await start(tg, Requester(admission, 1))
+                burst.append(late)
+            previous = requester.release
+        clock.advance(0.1)
+        previous()
+        with anyio.fail_after(1):
+            await burst[-1].admitted.wait()
+        burst[-1].release()
+    assert counters.admitted == 5
+    assert counters.rejected == 0
+
+
+async def test_queue_stands_while_older_waiters_drain(counters: Counters) -> None:
+    """Served in order under overload, each waiter has waited past the target by its turn: the queue
+    stands once the first passed the target an interval ago, though requests keep being admitted."""
+    clock = Clock()
+    admission = shedding(counters, clock)
+    holder = await admission.acquire(1)
+    async with anyio.create_task_group() as tg:
+        a = await start(tg, Requester(admission, 1))
+        clock.advance(0.2)
+        b = await start(tg, Requester(admission, 1))
+        clock.advance(0.2)
+        holder.release()
+        with anyio.fail_after(1):
+            await a.admitted.wait()
+        clock.advance(0.1)
+        c = await start(tg, Requester(admission, 1))  # 0.45 s over target: not an interval yet
+        clock.advance(0.2)
+        a.release()
+        with anyio.fail_after(1):
+            await b.admitted.wait()
+        assert admission.standing()
+        with pytest.raises(AdmissionRejected, match="not draining"):
+            await admission.acquire(1)
+        b.release()
+        with anyio.fail_after(1):
+            await c.admitted.wait()
+        c.release()
+    assert (counters.admitted, counters.shed_standing_queue) == (4, 1)
+
+
+async def test_recovers_once_the_queue_drains(counters: Counters) -> None:
+    clock = Clock()
+    admission = shedding(counters, clock)
+    holder = await admission.acquire(1)
+    async with anyio.create_task_group() as tg:
+        waiting = await start(tg, Requester(admission, 1))
+        clock.advance(TARGET + INTERVAL + 0.01)
+        with pytest.raises(AdmissionRejected):
+            await admission.acquire(1)
+        holder.release()  # the queue drains
+        with anyio.fail_after(1):
+            await waiting.admitted.wait()
+        assert not admission.standing()
+        # A new request that must wait queues again (no standing queue), and is admitted.
+        again = await start(tg, Requester(admission, 1))
+        assert counters.queued_requests == 1
+        clock.advance(0.01)
+        waiting.release()
+        with anyio.fail_after(1):
+            await again.admitted.wait()
+        again.release()
+    assert counters.shed_standing_queue == 1
+    assert counters.admitted == 3
+
+
+async def test_back_within_target_while_the_queue_is_not_empty(counters: Counters) -> None:
+    """Standing ends when the oldest waiter has waited less than the target, not only when empty."""
+    clock = Clock()
+    admission = shedding(counters, clock)
+    holder = await admission.acquire(1)
+    async with anyio.create_task_group() as tg:
+        old = await start(tg, Requester(admission, 1))
+        clock.advance(TARGET + INTERVAL + 0.01)
+        assert admission.standing()
+        holder.release()
+        with anyio.fail_after(1):
+            await old.admitted.wait()
+        recent = await start(tg, Requester(admission, 1))  # the queue is empty: it queues
+        clock.advance(TARGET / 2)
+        assert not admission.standing()
+        newer = await start(tg, Requester(admission, 1))  # the oldest waited under target: queues too
+        assert counters.queued_requests == 2
+        for current, following in ((old, recent), (recent, newer)):
+            current.release()
+            with anyio.fail_after(1):
+                await following.admitted.wait()
+        newer.release()
+    assert counters.rejected == 0
+
+
+async def test_timeout_is_still_the_hard_cap_of_a_standing_queue(counters: Counters) -> None:
+    clock = Clock()
+    admission = shedding(counters, clock, timeout=0.05)  # real time: the waiters' cap
+    holder = await admission.acquire(1)
+    async with anyio.create_task_group() as tg:
+        waiting = await start(tg, Requester(admission, 1))
+        clock.advance(TARGET + INTERVAL + 0.01)
+        with pytest.raises(AdmissionRejected, match="not draining"):
+            await admission.acquire(1)
+        with anyio.fail_after(2):
+            await waiting.done.wait()
+    assert waiting.error is not None
+    assert "not admitted within 0.05 seconds" in waiting.error.message
+    assert (counters.shed_standing_queue, counters.shed_timeout, counters.rejected) == (1, 1, 2)
+    assert counters.queued_requests == 0
+    holder.release()
+
+
+async def test_timeout_caps_the_wait_below_the_shedding_threshold() -> None:
+    """Real clock: an ADMISSION_TIMEOUT shorter than target + interval ends every wait first."""
+    counters = Counters()
+    admission = Admission(
+        max_inflight=1, max_inflight_bytes=BUDGET, timeout=0.05, counters=counters, target_delay=0.05, interval=5.0
+    )
+    holder = await admission.acquire(1)
+    for _ in range(3):
+        with anyio.fail_after(2), pytest.raises(AdmissionRejected, match="not admitted within"):
+            await admission.acquire(1)
+    assert (counters.shed_timeout, counters.shed_standing_queue) == (3, 0)
+    holder.release()
+    assert counters.snapshot().idle
+
+
+async def test_target_zero_is_a_plain_fifo_queue(counters: Counters) -> None:
+    clock = Clock()
+    admission = shedding(counters, clock, target=0.0)
+    holder = await admission.acquire(1)
+    async with anyio.create_task_group() as tg:
+        first = await start(tg, Requester(admission, 1))
+        clock.advance(3600)
+        assert not admission.standing()
+        second = await start(tg, Requester(admission, 1))  # queued, however long the queue has stood
+        assert counters.queued_requests == 2
+        holder.release()
+        with anyio.fail_after(1):
+            await first.admitted.wait()
+        first.release()
+        with anyio.fail_after(1):
+            await second.admitted.wait()
+        second.release()
+    assert counters.rejected == 0
+
+
+async def test_standing_queue_never_sheds_a_grow(counters: Counters) -> None:
+    """An admitted request growing its byte budget is not a new arrival: it waits as before."""
+    clock = Clock()
+    admission = shedding(counters, clock, max_inflight=2)
+    ticket = await admission.acquire(600)
+    other = await admission.acquire(400)
+    grown = anyio.Event()
+
+    async def grow() -> None:
+        await ticket.grow(300)
+        grown.set()
+
+    async with anyio.create_task_group() as tg:
+        waiting = await start(tg, Requester(admission, 1))  # no slot free
+        clock.advance(TARGET + INTERVAL + 0.01)
+        assert admission.standing()
+        tg.start_soon(grow)  # no budget free: waits, not refused
+        await anyio.wait_all_tasks_blocked()
+        assert not grown.is_set()
+        assert counters.rejected == 0
+        with anyio.fail_after(1):
+            await ticket.grow(0)  # nothing to charge
+            await other.grow(0)
+        other.release()  # 400 back: the grow goes first, the waiter gets the slot
+        with anyio.fail_after(1):
+            await grown.wait()
+            await waiting.admitted.wait()
+        assert ticket.nbytes == 900
+        ticket.release()
+        waiting.release()
+    assert counters.rejected == 0
+
+
+async def test_grow_that_fits_is_served_at_once_even_when_the_queue_stands(counters: Counters) -> None:
+    clock = Clock()
+    admission = shedding(counters, clock)
+    ticket = await admission.acquire(100)
+    async with anyio.create_task_group() as tg:
+        waiting = await start(tg, Requester(admission, 1))
+        clock.advance(60)
+        assert admission.standing()
+        with anyio.fail_after(1):
+            await ticket.grow(500)
+        assert ticket.nbytes == 600
+        ticket.release()
+        with anyio.fail_after(1):
+            await waiting.admitted.wait()
+        waiting.release()
+
+
+async def test_close_while_the_queue_stands(counters: Counters) -> None:
+    clock = Clock()
+    admission = shedding(counters, clock)
+    holder = await admission.acquire(1)
+    async with anyio.create_task_group() as tg:
+        waiting = await start(tg, Requester(admission, 1))
+        clock.advance(TARGET + INTERVAL + 0.01)
+        admission.close("draining for deploy")
+        with anyio.fail_after(1):
+            await waiting.done.wait()
+    assert waiting.error is not None and waiting.error.message == "draining for deploy"
+    with pytest.raises(AdmissionRejected, match="^draining for deploy$"):
+        await admission.acquire(1)  # draining wins over the standing queue
+    assert (counters.shed_draining, counters.shed_standing_queue, counters.queued_requests) == (2, 0, 0)
+    holder.release()
+
+
+async def test_cancelled_oldest_waiter_leaves_the_queue_delay_right(counters: Counters) -> None:
+    """The oldest waiter giving up does not make a queue that still holds old waiters look good."""
+    clock = Clock()
+    admission = shedding(counters, clock)
+    holder = await admission.acquire(1)
+    async with anyio.create_task_group() as tg:
+        scope = anyio.CancelScope()
+        oldest = Requester(admission, 1)
+
+        async def cancellable() -> None:
+            with scope:
+                await oldest()
+
+        tg.start_soon(cancellable)
+        await anyio.wait_all_tasks_blocked()
+        clock.advance(0.2)
+        younger = await start(tg, Requester(admission, 1))
+        clock.advance(TARGET + INTERVAL)
+        scope.cancel()
+        await anyio.wait_all_tasks_blocked()
+        assert counters.queued_requests == 1
+        assert admission.standing()  # the younger one has waited TARGET + INTERVAL too
+        with pytest.raises(AdmissionRejected, match="not draining"):
+            await admission.acquire(1)
+        holder.release()
+        with anyio.fail_after(1):
+            await younger.admitted.wait()
+        younger.release()
+
+
+@pytest.mark.parametrize("how", ["granted", "timeout", "cancelled", "closed", "standing"])
+async def test_queued_requests_gauge_returns_to_zero(how: str) -> None:
+    counters = Counters()
+    clock = Clock()
+    admission = shedding(counters, clock, timeout=0.05 if how == "timeout" else 30.0)
+    holder = await admission.acquire(1)
+    async with anyio.create_task_group() as tg:
+        waiting = await start(tg, Requester(admission, 1))
+        assert counters.queued_requests == 1
+        if how == "granted":
+            holder.release()
+            with anyio.fail_after(1):
+                await waiting.admitted.wait()
+            waiting.release()
+        elif how == "cancelled":
+            tg.cancel_scope.cancel()
+        elif how == "closed":
+            admission.close()
+        elif how == "standing":
+            clock.advance(60)
+            with pytest.raises(AdmissionRejected):
+                await admission.acquire(1)
+            assert counters.queued_requests == 1  # the refused one never joined
+            tg.cancel_scope.cancel()
+    assert counters.queued_requests == 0
+    holder.release()
+    assert counters.snapshot().idle
+
+
+async def test_a_failing_wait_listener_neither_refuses_nor_leaks(
+    counters: Counters, caplog: pytest.LogCaptureFixture
+) -> None:
+    admission = make(counters)
+    seen: list[float] = []
+
+    def broken(seconds: float) -> None:
+        raise RuntimeError("metrics backend down")
+
+    admission.on_admitted(broken)
+    admission.on_admitted(seen.append)
+    with anyio.fail_after(1):
+        ticket = await admission.acquire(10)
+    assert seen == [0.0]  # the next listener still heard of it
+    assert "admission wait listener" in caplog.text
+    ticket.release()

@@ -251,7 +251,14 @@ async def test_exception_in_body_still_releases() -> None:
 # ---------------------------------------------------------------------------------------------
 # LifetimeStats
 
-GAUGES = ["inflight_requests", "inflight_bytes", "retained_input_bytes", "live_resources", "pinned_sessions"]
+GAUGES = [
+    "inflight_requests",
+    "inflight_bytes",
+    "queued_requests",
+    "retained_input_bytes",
+    "live_resources",
+    "pinned_sessions",
+]
 TOTALS = [f.name for f in dataclasses.fields(LifetimeStats) if f.name not in GAUGES]
 
 

@@ -29,6 +29,8 @@ def test_defaults() -> None:
     assert settings.max_inflight == 64
     assert settings.max_inflight_bytes == 1 * GiB
     assert settings.admission_timeout == 10.0
+    assert settings.admission_target_delay == 0.05
+    assert settings.admission_interval == 0.5
     assert settings.paths == ("/v1/",)
     assert settings.upstream_url == ()
     assert settings.max_attempts == 4
@@ -133,6 +135,9 @@ def test_size_parsing(key: str, raw: str, expected: int) -> None:
         ("body_timeout", "60", 60.0),
         ("body_timeout", "0.5", 0.5),
         ("admission_timeout", " 0 ", 0.0),
+        ("admission_target_delay", "0", 0.0),
+        ("admission_target_delay", "0.25", 0.25),
+        ("admission_interval", "2", 2.0),
         ("retry_deadline", "1e2", 100.0),
         ("shutdown_grace", "0.25", 0.25),
     ],
@@ -217,6 +222,12 @@ INVALID_STRINGS = [
     ("max_inflight", "many"),
     ("max_inflight_bytes", "0"),
     ("admission_timeout", "-0.5"),
+    ("admission_target_delay", "-0.01"),
+    ("admission_target_delay", "nan"),
+    ("admission_target_delay", "soon"),
+    ("admission_interval", "0"),
+    ("admission_interval", "-1"),
+    ("admission_interval", "inf"),
     ("paths", "v1/"),
     ("paths", "/v1/,v2/"),
     ("paths", ""),

@@ -94,6 +94,7 @@ def create_app(
     )
     metrics = GatewayMetrics(stats=lifetime.stats, describe_upstreams=upstream.describe, session_store=book.store_state)
     listeners.append(metrics.on_attempt)
+    lifetime.admission.on_admitted(metrics.on_admission_wait)
 
     def report() -> Report:
         # Read from the metrics sync thread too: plain values only.

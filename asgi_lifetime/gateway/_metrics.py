@@ -73,7 +73,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .._stats import LifetimeStats
+from .._stats import SHED_REASONS, LifetimeStats
 from ._access_log import public_url
 from ._bookkeeping import OUTCOMES, Outcome, StoreState
 from ._upstream import AttemptEvent
@@ -86,6 +86,7 @@ __all__ = [
     "LATENCY_BUCKETS",
     "MULTIPROC_DIR_ENV",
     "PREFIX",
+    "QUEUE_BUCKETS",
     "GatewayMetrics",
     "make_metrics_route",
 ]
@@ -109,6 +110,7 @@ _NO_UPSTREAM_LABEL: Final = "none"
 _GAUGES: Final = (
     ("inflight_requests", "inflight_requests", "Requests admitted and not yet settled."),
     ("inflight_bytes", "inflight_bytes", "Bytes of the admission byte budget held by in-flight requests."),
+    ("queued_requests", "queued_requests", "Requests waiting for an admission slot."),
     ("retained_input_bytes", "retained_input_bytes", "Request input bytes held right now (raw and outbound bodies)."),
     ("live_resources", "live_resources", "Per-request resources acquired and not yet released."),
     ("pinned_sessions", "pinned_sessions", "Session pins held by in-flight requests."),
@@ -133,6 +135,12 @@ _STORE_LOCAL: Final = (
     "session_store_local_records",
     "Records decided in this process's memory in place of the session store.",
 )
+_SHED: Final = (
+    "admission_shed",
+    "Requests admission turned away (503 with Retry-After), by reason: standing_queue (refused at once: the "
+    "queue was not draining), timeout (waited ADMISSION_TIMEOUT), draining (shutting down), budget_deadlock.",
+)
+"""Labelled by ``reason``, one ``Counters`` total per reason (``SHED_REASONS``); they add up to ``rejected``."""
 _UPSTREAM_INFLIGHT: Final = ("upstream_inflight", "Attempts in flight on the upstream.")
 _UPSTREAM_DOWN: Final = ("upstream_down", "1 while the upstream is cooling off after a failed connect, else 0.")
 _UPSTREAM_ATTEMPTS: Final = ("upstream_attempts", "Attempts sent to the upstream.")
@@ -143,6 +151,11 @@ _ATTEMPTS: Final = ("attempts", "Extra upstream attempts by kind (retry, refold,
 _RESPONSE_BYTES: Final = ("response_bytes", "Response body bytes sent to clients.")
 _TTFB: Final = ("time_to_first_byte_seconds", "Seconds from admission to the first response body byte.")
 _DURATION: Final = ("request_duration_seconds", "Seconds from admission to the end of the response.")
+_QUEUE: Final = ("admission_queue_seconds", "Seconds each admitted request waited for its slot (0: admitted at once).")
+QUEUE_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+"""Histogram buckets of ``admission_queue_seconds``: around a target delay of tens of ms, up to a long timeout."""
 
 _ATTEMPT_KINDS: Final = frozenset({"retry", "refold", "role"})
 
@@ -231,7 +244,7 @@ def _upstream_views(
 class _RequestMetrics:
     """The metrics fed by ``record`` and ``on_attempt``."""
 
-    __slots__ = ("requests", "attempts", "response_bytes", "ttfb", "duration")
+    __slots__ = ("requests", "attempts", "response_bytes", "ttfb", "duration", "queue")
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         name, doc = _REQUESTS
@@ -244,6 +257,8 @@ class _RequestMetrics:
         self.ttfb = Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, registry=registry)
         name, doc = _DURATION
         self.duration = Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, registry=registry)
+        name, doc = _QUEUE
+        self.queue = Histogram(PREFIX + name, doc, buckets=QUEUE_BUCKETS, registry=registry)
 
 
 def _store_families(state: StoreState | None) -> Iterator[Metric]:
@@ -283,6 +298,11 @@ class _LiveStateCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=None if stats is None else getattr(stats, field))
         for name, field, doc in _TOTALS:
             yield CounterMetricFamily(PREFIX + name, doc, value=None if stats is None else getattr(stats, field))
+        shed = CounterMetricFamily(PREFIX + _SHED[0], _SHED[1], labels=["reason"])
+        if stats is not None:
+            for reason, field in SHED_REASONS.items():
+                shed.add_metric([reason], getattr(stats, field))
+        yield shed
         inflight = GaugeMetricFamily(PREFIX + _UPSTREAM_INFLIGHT[0], _UPSTREAM_INFLIGHT[1], labels=["upstream"])
         down = GaugeMetricFamily(PREFIX + _UPSTREAM_DOWN[0], _UPSTREAM_DOWN[1], labels=["upstream"])
         attempts = CounterMetricFamily(PREFIX + _UPSTREAM_ATTEMPTS[0], _UPSTREAM_ATTEMPTS[1], labels=["upstream"])
@@ -375,6 +395,10 @@ class GatewayMetrics:
         metrics.duration.observe(max(0.0, outcome.duration))
         if self._process is not None:
             self._process.ensure_thread()
+
+    def on_admission_wait(self, seconds: float) -> None:
+        """Observe one admitted request's wait for its slot (an ``Admission.on_admitted`` listener)."""
+        self._metrics.queue.observe(max(0.0, seconds))
 
     def on_attempt(self, event: AttemptEvent) -> None:
         """Count a retry, refold or role remap (an ``UpstreamClient`` listener); ``settled`` is ignored."""

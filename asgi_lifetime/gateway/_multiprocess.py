@@ -24,10 +24,11 @@ from prometheus_client import values as _prometheus_values
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from .._stats import LifetimeStats
+from .._stats import SHED_REASONS, LifetimeStats
 from ._bookkeeping import StoreState
 from ._metrics import (
     _GAUGES,
+    _SHED,
     _STORE_FALLBACKS,
     _STORE_LOCAL,
     _STORE_UP,
@@ -74,6 +75,7 @@ class _Mirror:
     __slots__ = (
         "gauges",
         "totals",
+        "shed",
         "upstream_inflight",
         "upstream_down",
         "upstream_attempts",
@@ -88,6 +90,8 @@ class _Mirror:
             name: Gauge(PREFIX + name, doc, registry=None, multiprocess_mode="livesum") for name, _, doc in _GAUGES
         }
         self.totals = {name: Counter(PREFIX + name, doc, registry=None) for name, _, doc in _TOTALS}
+        name, doc = _SHED
+        self.shed = Counter(PREFIX + name, doc, ["reason"], registry=None)
         name, doc = _UPSTREAM_INFLIGHT
         self.upstream_inflight = Gauge(PREFIX + name, doc, ["upstream"], registry=None, multiprocess_mode="livesum")
         name, doc = _UPSTREAM_DOWN
@@ -254,6 +258,8 @@ class Process:
             stats = source.stats()
         for name, field, _ in _TOTALS:
             source.advance(self.mirror.totals[name], (name, ""), getattr(stats, field))
+        for reason, field in SHED_REASONS.items():
+            source.advance(self.mirror.shed.labels(reason=reason), (_SHED[0], reason), getattr(stats, field))
         try:
             source.upstreams = _upstream_views(source.describe, self.labels)
         except Exception:

@@ -41,6 +41,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "max_inflight": ("3", 3),
     "max_inflight_bytes": ("2GiB", 2 * GiB),
     "admission_timeout": ("0", 0.0),
+    "admission_target_delay": ("0.2", 0.2),
+    "admission_interval": ("2", 2.0),
     "paths": ("/v1/,/v2/", ("/v1/", "/v2/")),
     "upstream_url": ("http://10.0.0.5:8000", ("http://10.0.0.5:8000",)),
     "max_attempts": ("2", 2),

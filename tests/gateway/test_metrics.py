@@ -330,7 +330,7 @@ def multiproc_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
         process.sync()
         if process.thread is not None:
             process.wake.set()
-            process.thread.join(5)
+            process.thread.join(30)  # generous: a loaded CI machine, not a timing assumption
             assert process.thread is None, "the sync thread outlived its instances"
     prometheus_client.values.close_all_multiprocess_files()  # type: ignore[no-untyped-call]
 
