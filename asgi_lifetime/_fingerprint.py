@@ -16,6 +16,7 @@ text comparable.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -25,6 +26,8 @@ from blake3 import blake3
 from . import _json
 
 _DONE: Final = object()  # the end of a list being walked
+_END: Final = object()  # the end of the whole walk
+_ENDLESS: Final = itertools.repeat(_END)  # under every walk's lists; it keeps no state, so one serves all
 
 __all__ = ["Fingerprint", "UNPARSED", "fingerprint", "text_comparable", "wire_hash"]
 
@@ -119,7 +122,7 @@ _TEXT_TYPES: Final = frozenset(
 # Tool calls: comparable without looking inside; their arguments are the tool's own JSON,
 # where a "type" key means nothing to us.
 _OPAQUE_TYPES: Final = frozenset({"tool_use", "function_call"})
-_CHILD_KEYS: Final = ("content", "output", "parts")
+_LEAVES: Final = (str, type(None))  # comparable as they stand
 
 
 def text_comparable(parsed: Any) -> bool:
@@ -166,52 +169,53 @@ def text_comparable(parsed: Any) -> bool:
         return False
     for key in _CONVERSATION_KEYS:
         if key in parsed:
-            stack: list[Any] = [parsed[key]]
-            break
-    else:
-        return False
-    if "system" in parsed:
-        stack.append(parsed["system"])
+            seen: set[int] = set()  # one for both: what the system and the conversation share is walked once
+            return _comparable(parsed[key], seen) and ("system" not in parsed or _comparable(parsed["system"], seen))
+    return False
 
-    seen: set[int] = set()
-    # Lists are walked through iterators on the stack, never copied onto it: the walk's own
-    # memory follows the depth of the conversation, not its length.
-    lists: list[Iterator[Any]] = []
-    while stack or lists:
-        if stack:
-            node = stack.pop()
-        else:
-            node = next(lists[-1], _DONE)
-            if node is _DONE:
-                lists.pop()
-                continue
-        if node is None or isinstance(node, str):
-            continue
-        if isinstance(node, list):
-            if id(node) not in seen:
-                seen.add(id(node))
-                lists.append(iter(node))
-            continue
-        if not isinstance(node, dict):
-            return False  # numbers, booleans
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if "type" in node:
-            # A present type must be a text type; null or a non-string counts as "set"
-            # (and is not hashed: a list there must not raise).
-            part_type = node["type"]
-            if not isinstance(part_type, str) or part_type not in _TEXT_TYPES:
-                return False
-            if part_type in _OPAQUE_TYPES:
-                continue
-        if node.get("audio") is not None:
-            return False
-        for child_key in _CHILD_KEYS:
-            if child_key in node:
-                stack.append(node[child_key])
+
+def _comparable(node: Any, seen: set[int]) -> bool:
+    """``text_comparable``'s walk from ``node``, past the containers in ``seen`` (it adds those it enters)."""
+    # Lists are walked through iterators, never copied: the walk's own memory follows the
+    # depth of the conversation, not its length. The bottom one is endless: the walk is over
+    # when it yields _END.
+    lists: list[Iterator[Any]] = [_ENDLESS]
+    while node is not _END:
+        # An object has at most one child to walk (the first of content, output, parts): it is
+        # followed here, in place, until the chain ends in a leaf, a list or a verdict.
+        while True:
+            if isinstance(node, _LEAVES):
                 break
-        else:
-            if not (isinstance(node.get("text"), str) or isinstance(node.get("tool_calls"), list)):
+            if not isinstance(node, (list, dict)):
+                return False  # numbers, booleans
+            if id(node) in seen:
+                break
+            seen.add(id(node))
+            if isinstance(node, list):
+                lists.append(iter(node))
+                break
+            if "type" in node:
+                # A present type must be a text type; null or a non-string counts as "set"
+                # (and is not hashed: a list there must not raise).
+                part_type = node["type"]
+                if not isinstance(part_type, str) or part_type not in _TEXT_TYPES:
+                    return False
+                if part_type in _OPAQUE_TYPES:
+                    break
+            if node.get("audio") is not None:
                 return False
+            if "content" in node:
+                node = node["content"]
+            elif "output" in node:
+                node = node["output"]
+            elif "parts" in node:
+                node = node["parts"]
+            elif isinstance(node.get("text"), str) or isinstance(node.get("tool_calls"), list):
+                break
+            else:
+                return False
+        node = next(lists[-1], _DONE)
+        while node is _DONE:
+            lists.pop()
+            node = next(lists[-1], _DONE)
     return True

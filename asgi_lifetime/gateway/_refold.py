@@ -243,6 +243,22 @@ def _call_ids(item: Any) -> list[str]:
     return [c for c in candidates if isinstance(c, str) and c]
 
 
+def _open_calls(items: list[Any]) -> list[int]:
+    """Per index ``k`` up to ``len(items)``: how many tool calls are issued before ``k`` and answered at or after it."""
+    spans: dict[str, tuple[int, int]] = {}
+    for i, item in enumerate(items):
+        for call_id in _call_ids(item):
+            first, _ = spans.get(call_id, (i, i))
+            spans[call_id] = (first, i)
+    open_calls = [0] * (len(items) + 1)
+    for first, last in spans.values():
+        open_calls[first + 1] += 1
+        open_calls[last + 1] -= 1
+    for k in range(1, len(open_calls)):
+        open_calls[k] += open_calls[k - 1]
+    return open_calls
+
+
 def _choose_cut(items: list[Any], sizes: list[int], total: int, target: float) -> int | None:
     """The index to drop non-pinned items before: the first turn boundary that fits ``target``.
 
@@ -256,18 +272,7 @@ def _choose_cut(items: list[Any], sizes: list[int], total: int, target: float) -
     droppable = next((i for i, p in enumerate(pinned) if not p), None)
     if not starts or droppable is None:
         return None
-    spans: dict[str, tuple[int, int]] = {}
-    for i, item in enumerate(items):
-        for call_id in _call_ids(item):
-            first, _ = spans.get(call_id, (i, i))
-            spans[call_id] = (first, i)
-    # open_calls[k] > 0: some call is issued before k and answered at or after k.
-    open_calls = [0] * (len(items) + 1)
-    for first, last in spans.values():
-        open_calls[first + 1] += 1
-        open_calls[last + 1] -= 1
-    for k in range(1, len(open_calls)):
-        open_calls[k] += open_calls[k - 1]
+    open_calls = _open_calls(items)
     cuts = [k for k in starts if k > droppable and not open_calls[k]]
     if not cuts:
         return None

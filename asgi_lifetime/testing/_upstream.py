@@ -161,6 +161,26 @@ class _Upstream:
         await self._respond(reply, receive, send)
 
     def _plan(self, body: bytes, spec: dict[str, str]) -> _Reply:
+        """The whole reply, decided before anything is sent: the first behaviour that applies answers."""
+        reply = self._failure(spec) or self._error_body(spec) or self._overflow(body, spec)
+        if reply is not None:
+            return reply
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None
+        if not isinstance(request, dict):
+            return self._fixed(400, _error("The request body is not a JSON object.", "invalid_request_error"), spec)
+        reply = self._rejected_role(request, spec)
+        if reply is not None:
+            return reply
+        max_tokens = request.get("max_completion_tokens", request.get("max_tokens", self.default_tokens))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            return self._fixed(400, _error("max_tokens must be an integer >= 0.", "invalid_request_error"), spec)
+        return self._completion(body, request, max_tokens, spec)
+
+    def _failure(self, spec: dict[str, str]) -> _Reply | None:
+        """``fail=N`` and ``status=CODE``; a bad ``status`` is refused even without ``fail``."""
         key = ",".join(f"{name}={value}" for name, value in sorted(spec.items()))
         status = int(_number(spec, "status") or 503)
         if not 400 <= status <= 599:
@@ -168,40 +188,46 @@ class _Upstream:
         fail = _number(spec, "fail", bare=math.inf)
         if fail is None and "status" in spec:
             fail = math.inf
-        if fail:
-            self._attempts[key] = attempt = self._attempts.get(key, 0) + 1
-            if attempt <= fail:
-                message, type_, code = _FAILURES.get(
-                    status, (f"Demo upstream failure ({status}).", "server_error", None)
-                )
-                return self._fixed(status, _error(message, type_, code), spec, [(b"retry-after", b"0")])
-        if "error_body" in spec:
-            size = int(_number(spec, "error_body") or 0)
-            envelope = _dumps(_error("", "server_error"))
-            message = "x" * max(0, size - len(envelope))
-            return self._fixed(500, _error(message, "server_error"), spec)
+        if not fail:
+            return None
+        self._attempts[key] = attempt = self._attempts.get(key, 0) + 1
+        if attempt > fail:
+            return None
+        message, type_, code = _FAILURES.get(status, (f"Demo upstream failure ({status}).", "server_error", None))
+        return self._fixed(status, _error(message, type_, code), spec, [(b"retry-after", b"0")])
+
+    def _error_body(self, spec: dict[str, str]) -> _Reply | None:
+        """``error_body=BYTES``."""
+        if "error_body" not in spec:
+            return None
+        size = int(_number(spec, "error_body") or 0)
+        envelope = _dumps(_error("", "server_error"))
+        message = "x" * max(0, size - len(envelope))
+        return self._fixed(500, _error(message, "server_error"), spec)
+
+    def _overflow(self, body: bytes, spec: dict[str, str]) -> _Reply | None:
+        """``overflow=N``."""
         overflow = _number(spec, "overflow")
-        if overflow is not None and len(body) > overflow:
-            message = (
-                f"This model's maximum context length is {int(overflow) // 4} tokens. "
-                f"However, your messages resulted in {len(body) // 4} tokens."
-            )
-            return self._fixed(400, _error(message, "invalid_request_error", "context_length_exceeded"), spec)
-        try:
-            request = json.loads(body)
-        except ValueError:
-            request = None
-        if not isinstance(request, dict):
-            return self._fixed(400, _error("The request body is not a JSON object.", "invalid_request_error"), spec)
+        if overflow is None or len(body) <= overflow:
+            return None
+        message = (
+            f"This model's maximum context length is {int(overflow) // 4} tokens. "
+            f"However, your messages resulted in {len(body) // 4} tokens."
+        )
+        return self._fixed(400, _error(message, "invalid_request_error", "context_length_exceeded"), spec)
+
+    def _rejected_role(self, request: dict[str, Any], spec: dict[str, str]) -> _Reply | None:
+        """``reject_role=ROLE``."""
         messages = request.get("messages")
         roles = [m.get("role") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
-        if "reject_role" in spec and spec["reject_role"] in roles:
-            message = f"Unexpected role '{spec['reject_role']}' in messages[{roles.index(spec['reject_role'])}]."
-            return self._fixed(400, _error(message, "invalid_request_error"), spec)
-        max_tokens = request.get("max_completion_tokens", request.get("max_tokens", self.default_tokens))
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            return self._fixed(400, _error("max_tokens must be an integer >= 0.", "invalid_request_error"), spec)
-        rng = random.Random(f"{self.seed}:{zlib.crc32(_dumps(messages))}")
+        if "reject_role" not in spec or spec["reject_role"] not in roles:
+            return None
+        message = f"Unexpected role '{spec['reject_role']}' in messages[{roles.index(spec['reject_role'])}]."
+        return self._fixed(400, _error(message, "invalid_request_error"), spec)
+
+    def _completion(self, body: bytes, request: dict[str, Any], max_tokens: int, spec: dict[str, str]) -> _Reply:
+        """The answer (``starve`` and ``malformed`` spoil it), streamed when the request asks."""
+        rng = random.Random(f"{self.seed}:{zlib.crc32(_dumps(request.get('messages')))}")
         words = [rng.choice(_WORDS) for _ in range(min(max_tokens, _MAX_TOKENS))]
         model = str(request.get("model") or "demo")
         meta = {"id": f"chatcmpl-demo{self.stats.requests}", "object": "", "created": int(time.time()), "model": model}

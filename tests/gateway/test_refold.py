@@ -434,6 +434,51 @@ def test_refold_gives_up_when_only_the_last_turn_is_left() -> None:
     assert default_refold(agent_loop)(None) is None
 
 
+def test_refold_takes_the_deepest_cut_when_none_fits_the_window() -> None:
+    refold = default_refold(chat())
+    body = refold(1)  # no cut brings the body down to 1 token: the last turn is kept anyway
+    assert body is not None
+    messages = json.loads(body)["messages"]
+    assert messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "developer", "content": "mid-conversation instruction"},
+        {"role": "user", "content": "last question"},
+    ]
+    assert refold(1) is None  # the next call continues from there: nothing is left to drop
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        pytest.param([], id="empty"),
+        pytest.param([{"role": "system", "content": "s"}, {"role": "developer", "content": "d"}], id="only-pinned"),
+        pytest.param([{"role": "assistant", "content": FILLER}, {"role": "tool", "content": "r"}], id="no-user"),
+        pytest.param(
+            [
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": FILLER}]},
+            ],
+            id="anthropic-tool-result-carrier",
+        ),
+        pytest.param(
+            [
+                {"role": "model", "parts": [{"functionCall": {"name": "f", "args": {}}}]},
+                {"role": "user", "parts": [{"functionResponse": {"name": "f", "response": {"r": FILLER}}}]},
+            ],
+            id="gemini-function-response-carrier",
+        ),
+        pytest.param(
+            [{"role": "user", "type": "function_call_output", "call_id": "c", "output": FILLER}],
+            id="user-item-not-a-message",
+        ),
+        pytest.param([FILLER, 1, None], id="not-objects"),
+    ],
+)
+def test_refold_gives_up_without_a_turn_start(items: list[Any]) -> None:
+    assert default_refold({"messages": items})(None) is None
+    assert default_refold({"messages": items})(1) is None
+
+
 def test_refold_never_cuts_between_a_call_and_its_result() -> None:
     # A result that (oddly) arrives after the next user message ties the two turns together.
     parsed = {

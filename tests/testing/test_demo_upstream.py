@@ -196,6 +196,37 @@ async def test_reject_role(client: httpx.AsyncClient) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_body_that_is_not_a_json_object_is_a_400(client: httpx.AsyncClient) -> None:
+    for body in (b"not json", b"", b"\xff\xfe", b"[1, 2]", b"null", b'"text"'):
+        response = await client.post("/v1/chat/completions", content=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "The request body is not a JSON object."
+
+
+@pytest.mark.anyio
+async def test_max_tokens_must_be_a_non_negative_integer(client: httpx.AsyncClient) -> None:
+    for fields in ({"max_tokens": -1}, {"max_tokens": True}, {"max_tokens": 1.5}, {"max_tokens": "8"}):
+        response = await client.post("/v1/chat/completions", json={**CHAT, **fields})
+        assert (
+            response.status_code == 400 and response.json()["error"]["message"] == "max_tokens must be an integer >= 0."
+        )
+    # max_completion_tokens, when present, is the one read.
+    refused = await client.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": -1, "max_tokens": 8})
+    assert refused.status_code == 400
+    answered = await client.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 3, "max_tokens": -1})
+    assert answered.status_code == 200 and len(content_of(answered.text).split()) == 3
+
+
+@pytest.mark.anyio
+async def test_starve_and_malformed_without_stream(client: httpx.AsyncClient) -> None:
+    starved = await client.post("/v1/chat/completions", json=CHAT, headers=behaviour("starve"))
+    assert starved.status_code == 200 and starved.content == b"" and starved.headers["content-length"] == "0"
+    malformed = await client.post("/v1/chat/completions", json=CHAT, headers=behaviour("malformed"))
+    assert malformed.status_code == 200 and malformed.headers["content-type"] == "application/json"
+    assert malformed.content == b'{"choices": [{"message": garbage'
+
+
+@pytest.mark.anyio
 async def test_stall_forever_until_the_client_gives_up(app: Starlette, client: httpx.AsyncClient) -> None:
     lines: list[str] = []
     timeout = httpx.Timeout(5, read=0.3)
