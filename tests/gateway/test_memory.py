@@ -109,10 +109,10 @@ async def test_prepare_trims_while_serializing_only_when_enabled(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("malloc_trim", [True, False])
-@pytest.mark.parametrize("retain_outbound", [True, False])
+@pytest.mark.parametrize("retain_outbound", ["disk", "memory", "off"])
 @pytest.mark.parametrize("changed", [True, False], ids=["changed", "unchanged"])
 async def test_the_gateway_trims_a_large_request_only_when_enabled(
-    monkeypatch: pytest.MonkeyPatch, malloc_trim: bool, retain_outbound: bool, changed: bool
+    monkeypatch: pytest.MonkeyPatch, malloc_trim: bool, retain_outbound: str, changed: bool
 ) -> None:
     calls = _count_trims(monkeypatch)
     body = _large_conversation()

@@ -64,7 +64,14 @@ FAST: dict[str, Any] = {
 PATH = "/v1/chat/completions"
 CHAT: dict[str, Any] = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 STREAM: dict[str, Any] = {**CHAT, "stream": True}
-GAUGES = ("inflight_requests", "inflight_bytes", "retained_input_bytes", "live_resources", "pinned_sessions")
+GAUGES = (
+    "inflight_requests",
+    "inflight_bytes",
+    "retained_input_bytes",
+    "live_resources",
+    "pinned_sessions",
+    "retained_disk_bytes",
+)
 IDLE_TIMEOUT = 3.0
 
 
