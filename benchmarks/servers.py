@@ -61,7 +61,7 @@ async def sink(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def build_app(kind: str, *, upstream: str | None, retain: bool, tokens_per_second: float, trim: bool = True) -> Any:
+def build_app(kind: str, *, upstream: str | None, retain: str, tokens_per_second: float, trim: bool = True) -> Any:
     if kind == "demo":
         from asgi_lifetime.testing._upstream import create_demo_upstream
 
@@ -172,14 +172,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("kind")
     parser.add_argument("--upstream")
-    parser.add_argument("--retain", choices=["on", "off"], default="on")
+    # RETAIN_OUTBOUND; "on" is memory (what it meant when it was a bool: before_after.py runs older checkouts).
+    parser.add_argument("--retain", choices=["on", "memory", "disk", "off"], default="on")
     parser.add_argument("--tokens-per-second", type=float, default=50.0)
     parser.add_argument("--no-trim", action="store_true", help="gateway: MALLOC_TRIM off (no malloc_trim at all)")
     args = parser.parse_args()
     app = build_app(
         args.kind,
         upstream=args.upstream,
-        retain=args.retain == "on",
+        retain="memory" if args.retain == "on" else args.retain,
         tokens_per_second=args.tokens_per_second,
         trim=not args.no_trim,
     )
@@ -215,7 +216,7 @@ class Server:
         kind: str,
         *,
         upstream: str | None = None,
-        retain: bool = True,
+        retain: str = "memory",
         tokens_per_second: float = 50.0,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
@@ -228,7 +229,7 @@ class Server:
             "benchmarks.servers",
             kind,
             "--retain",
-            "on" if retain else "off",
+            "on" if retain == "memory" else retain,
             "--tokens-per-second",
             str(tokens_per_second),
         ]

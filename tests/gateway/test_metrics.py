@@ -192,6 +192,16 @@ def test_gauges_are_read_at_scrape_time() -> None:
     assert value(s, "admission_rejections_total") == 2
 
 
+def test_retained_body_on_disk_metrics() -> None:
+    counters = Counters()
+    metrics = GatewayMetrics(stats=counters.snapshot, describe_upstreams=list)
+    counters.retained_disk_bytes, counters.spilled, counters.spill_failures = 3 * 1024 * 1024, 4, 1
+    s = parse(metrics.render()[0])
+    assert value(s, "retained_disk_bytes") == 3 * 1024 * 1024
+    assert value(s, "retain_spilled_total") == 4
+    assert value(s, "retain_spill_failures_total") == 1
+
+
 def test_no_session_path_query_or_credentials_in_labels() -> None:
     metrics = GatewayMetrics(stats=known_counters().snapshot, describe_upstreams=describe)
     feed(metrics)
