@@ -648,7 +648,8 @@ def _retain(results: dict[str, Any], add: Any) -> None:
         "default) the outbound body moves, once retries settle and while the answer already streams, to an "
         f"unlinked temporary file in `RETAIN_DIR`, here the system temp dir `{retain['temp_dir']}` "
         f"({retain['temp_fs']}); a re-issue reads it back from there. MiB above the warm baseline: medians over "
-        "the rounds, the range in brackets."
+        "the rounds, the range in brackets. Reproduce with `.venv/bin/python -m benchmarks.run --only retain` "
+        "(it updates this section of the stored results)."
     )
     add("")
     load, here = retain["load"], retain.get("machine", results["machine"])
