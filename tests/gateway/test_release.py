@@ -44,6 +44,8 @@ from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._prepare import Draft, Prepared
 from asgi_lifetime.gateway._refold import Conversation
 
+from ..reliability.test_faults import eventually
+
 pytestmark = pytest.mark.anyio
 
 BODY_SIZE = 32 * MiB
@@ -262,8 +264,7 @@ async def test_input_is_released_before_the_answer_streams(body: bytes, retain: 
                 tg.start_soon(app, scope_for(body), client.receive, client.send)
                 await client.first_event.wait()
                 if retain == "disk":  # the body moves to disk while the answer streams: wait for it
-                    while not lifetime.stats().spilled:
-                        await anyio.sleep(0.01)
+                    await eventually(lambda: lifetime.stats().spilled == 1, seconds=20)
 
                 # --- mid-stream: the upstream is waiting, the gateway is suspended in the relay.
                 gc.collect()
