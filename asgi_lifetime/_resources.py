@@ -122,6 +122,10 @@ class RequestResources:
         """Account ``nbytes`` of request input held by the package until released."""
         return self._register(_noop, "retained_input_bytes", nbytes)
 
+    def retain_on_disk(self, nbytes: int) -> Resource:
+        """Account ``nbytes`` of request input held in a temporary file (``retained_disk_bytes``), not in RAM."""
+        return self._register(_noop, "retained_disk_bytes", nbytes)
+
     def _register(self, release: Callable[[], object], gauge: str, amount: int) -> Resource:
         if self._closed:
             # A resource acquired after settlement would never be released: refuse it.

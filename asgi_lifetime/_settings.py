@@ -18,12 +18,23 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from starlette.config import Config
 
-__all__ = ["ENV_PREFIX", "GiB", "KiB", "LifetimeSettings", "MiB", "SettingSpec", "SETTINGS", "redact_url"]
+__all__ = [
+    "ENV_PREFIX",
+    "GiB",
+    "KiB",
+    "LifetimeSettings",
+    "MiB",
+    "RETAIN_MODES",
+    "RetainOutbound",
+    "SettingSpec",
+    "SETTINGS",
+    "redact_url",
+]
 
 ENV_PREFIX = "ASGI_LIFETIME_"
 KiB = 1024
@@ -155,6 +166,39 @@ def _session_store(value: Any) -> str | None:
     return "must be memory or a redis:// or rediss:// URL with a host"
 
 
+# RETAIN_OUTBOUND: where the outbound body is kept for one blind re-issue once retries settle.
+RetainOutbound = Literal["memory", "disk", "off"]
+RETAIN_MODES: tuple[RetainOutbound, ...] = ("memory", "disk", "off")
+_RETAIN_HINT = "expected memory, disk or off (true means disk, false means off)"
+
+
+def _parse_retain(text: str) -> RetainOutbound:
+    lowered = text.strip().lower()
+    if lowered in RETAIN_MODES:
+        return lowered
+    try:
+        return _retain_mode(_parse_bool(lowered))
+    except ValueError:
+        raise ValueError(_RETAIN_HINT) from None
+
+
+def _retain_mode(value: bool) -> RetainOutbound:
+    """True/false keep their meaning, retained or not: retained goes where the default keeps it, on disk."""
+    return "disk" if value else "off"
+
+
+def _retain(value: Any) -> str | None:
+    return None if value in RETAIN_MODES else _RETAIN_HINT
+
+
+def _absolute_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if "\0" in value or not os.path.isabs(value):
+        return "must be an absolute directory path (or unset: the system temp dir)"
+    return None
+
+
 def _keys(value: Any) -> str | None:
     return "keys must not be empty" if any(not k for k in value) else None
 
@@ -200,7 +244,26 @@ SETTINGS: dict[str, SettingSpec] = {
         SettingSpec("headers_timeout", _parse_float, _positive, "Seconds to wait for upstream response headers."),
         SettingSpec("stall_timeout", _parse_float, _positive, "Seconds of upstream silence that end a stream."),
         SettingSpec("keepalive_interval", _parse_float, _positive, "Seconds between SSE keep-alives in silence."),
-        SettingSpec("retain_outbound", _parse_bool, _anything, "Keep the outbound body for one blind re-issue."),
+        SettingSpec(
+            "retain_outbound",
+            _parse_retain,
+            _retain,
+            "Keep the outbound body for one blind re-issue of a starved stream: disk (above RETAIN_SPILL_BYTES, "
+            "in an unlinked temporary file once retries settle), memory, or off; true means disk, false off.",
+        ),
+        SettingSpec(
+            "retain_spill_bytes",
+            _parse_size,
+            _non_negative,
+            "With RETAIN_OUTBOUND=disk, a retained body larger than this goes to disk; smaller ones stay in memory.",
+        ),
+        SettingSpec(
+            "retain_dir",
+            _parse_optional_str,
+            _absolute_dir,
+            "Directory of the retained bodies' temporary files (unlinked at creation); unset: the system temp "
+            "dir. A tmpfs saves no memory.",
+        ),
         SettingSpec(
             "malloc_trim",
             _parse_bool,
@@ -298,7 +361,10 @@ class LifetimeSettings:
     headers_timeout: float = 120.0
     stall_timeout: float = 120.0
     keepalive_interval: float = 15.0
-    retain_outbound: bool = True
+    retain_outbound: RetainOutbound | bool = "disk"
+    """``memory``, ``disk`` or ``off``; ``True`` / ``False`` are accepted and stored as ``disk`` / ``off``."""
+    retain_spill_bytes: int = 1 * MiB
+    retain_dir: str | None = None
     malloc_trim: bool = True
     session_header: str = "x-session-id"
     max_session_id_bytes: int = 256
@@ -325,6 +391,8 @@ class LifetimeSettings:
     """
 
     def __post_init__(self) -> None:
+        if isinstance(self.retain_outbound, bool):  # the setting was a bool before it named a place
+            object.__setattr__(self, "retain_outbound", _retain_mode(self.retain_outbound))
         for name, spec in SETTINGS.items():
             value = getattr(self, name)
             if isinstance(value, list):  # accept lists from code, store tuples

@@ -33,6 +33,8 @@ class LifetimeStats:
     retained_input_bytes: int = 0
     live_resources: int = 0
     pinned_sessions: int = 0
+    # The retained outbound body on disk (RETAIN_OUTBOUND=disk): bytes in temporary files, not in RAM.
+    retained_disk_bytes: int = 0
     # Totals since start.
     admitted: int = 0
     rejected: int = 0
@@ -48,14 +50,16 @@ class LifetimeStats:
     refolded: int = 0
     starved: int = 0
     stalled: int = 0
+    spilled: int = 0  # retained bodies written to disk
+    spill_failures: int = 0  # retained bodies kept in memory because writing them to disk failed
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
     @property
     def idle(self) -> bool:
-        """True when nothing is held or waiting: no request (admitted or queued), bytes, retained input,
-        resource or pin."""
+        """True when nothing is held or waiting: no request (admitted or queued), bytes, retained input
+        (in memory or on disk), resource or pin."""
         return not (
             self.inflight_requests
             or self.inflight_bytes
@@ -63,6 +67,7 @@ class LifetimeStats:
             or self.retained_input_bytes
             or self.live_resources
             or self.pinned_sessions
+            or self.retained_disk_bytes
         )
 
 
@@ -80,6 +85,7 @@ class Counters:
     retained_input_bytes: int
     live_resources: int
     pinned_sessions: int
+    retained_disk_bytes: int
     admitted: int
     rejected: int
     shed_standing_queue: int
@@ -94,6 +100,8 @@ class Counters:
     refolded: int
     starved: int
     stalled: int
+    spilled: int
+    spill_failures: int
 
     def __init__(self) -> None:
         for name in _FIELDS:

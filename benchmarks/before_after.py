@@ -27,7 +27,7 @@ MiB = 1024 * 1024
 
 
 async def _memory(cwd: str | None, retain: bool, upstream: str, body: bytes) -> dict[str, float]:
-    server = Server("gateway", upstream=upstream, retain=retain, cwd=cwd)
+    server = Server("gateway", upstream=upstream, retain="memory" if retain else "off", cwd=cwd)
     record = await large_request_on(server, body)
     return {key: record[key] for key in ("peak_prepare", "median_stream", "after")} | {"ttfb_demo": record["ttfb"]}
 

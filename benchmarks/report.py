@@ -9,7 +9,8 @@ from typing import Any
 MiB = 1024 * 1024
 
 LABELS = {
-    "gw_on": "asgi_lifetime, retain on",
+    "gw_on": "asgi_lifetime, retain memory",
+    "gw_disk": "asgi_lifetime, retain disk",
     "gw_off": "asgi_lifetime, retain off",
     "gw_unchanged": "asgi_lifetime, body unchanged",
     "gw_notrim": "asgi_lifetime, no malloc_trim",
@@ -75,9 +76,11 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool, redraw: fro
     add("")
     add(
         "Gateways: **asgi_lifetime** is `create_app()` with a preparer that inserts a system message "
-        "(so the body is re-serialized), with `RETAIN_OUTBOUND` on (the outbound body kept for one blind re-issue) "
-        "or off. The **ordinary proxy** (`benchmarks/ordinary_proxy.py`) is the idiomatic Starlette + httpx "
-        "version: `await request.body()`, `json.loads`, insert, `json.dumps`, `client.send(..., stream=True)`, "
+        "(so the body is re-serialized), with `RETAIN_OUTBOUND=memory` (*retain memory*: the outbound body kept "
+        "in RAM for one blind re-issue; what `RETAIN_OUTBOUND=true` did before the setting named a place) or `off`; "
+        "section 7 compares them with `disk`, now the default. The **ordinary proxy** "
+        "(`benchmarks/ordinary_proxy.py`) is the idiomatic Starlette + httpx version: `await request.body()`, "
+        "`json.loads`, insert, `json.dumps`, `client.send(..., stream=True)`, "
         "`StreamingResponse(..., background=bookkeep(body))`; its bookkeeping hashes and re-parses the raw body "
         "after the stream, as the gateways this package replaces do. The **bare forwarder** "
         "(`benchmarks/bare_forwarder.py`) only reads, forwards and relays bytes: the lower bound for one Python "
@@ -107,6 +110,8 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool, redraw: fro
         _codec(results, add)
     if "overload" in results:
         _overload(results, add)
+    if "retain" in results:
+        _retain(results, add)
     _changes(add)
     (out / "benchmarks.md").write_text("\n".join(lines) + "\n")
 
@@ -133,7 +138,7 @@ def _targets(results: dict[str, Any], add: Any) -> None:
         if on:
             rows.append(
                 (
-                    f"RSS while streaming, retain on <= 1.1x body ({label})",
+                    f"RSS while streaming, retain memory <= 1.1x body ({label})",
                     f"{on['median_stream'] / MiB:.1f} MiB = {on['median_stream'] / size:.3f}x "
                     f"(limit {1.1 * size / MiB:.1f} MiB)",
                     on["median_stream"] <= 1.1 * size,
@@ -160,6 +165,19 @@ def _targets(results: dict[str, Any], add: Any) -> None:
                         r["peak_prepare"] <= 2.5 * size,
                     )
                 )
+    if "retain" in results:
+        medians = _retain_medians(results["retain"])
+        disk, memory = medians.get("gw_disk"), medians.get("gw_on")
+        if disk:
+            compared = f" (retain memory: {memory['median_stream'] / MiB:.1f} MiB)" if memory else ""
+            rows.append(
+                (
+                    f"RSS while streaming, retain disk <= 8 MiB above baseline "
+                    f"({results['retain']['size'] / MiB:.0f} MiB many-turn text)",
+                    f"{disk['median_stream'] / MiB:.1f} MiB{compared}; section 7",
+                    disk["median_stream"] <= 8 * MiB,
+                )
+            )
     if "steady" in results and "gw_on" in results["steady"]["runs"]:
         run = results["steady"]["runs"]["gw_on"]
         growth = run[-1] - run[0]
@@ -249,10 +267,10 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
     if "memory" in results:
         records, size = _reference(results)
     for name in missed:
-        if name.startswith("RSS while streaming, retain on") and "gw_off" in records:
+        if name.startswith("RSS while streaming, retain memory") and "gw_off" in records:
             residue = records["gw_off"]["median_stream"]
             lines.append(
-                f"*RSS while streaming, retain on*: the retained outbound body (1.00x) plus the "
+                f"*RSS while streaming, retain memory*: the retained outbound body (1.00x) plus the "
                 f"{residue / MiB:.0f} MiB "
                 "that retain off shows too: allocator residue after the trim (pymalloc arenas kept by a few "
                 "surviving small objects, pages touched again since), not request data (tracemalloc counts about "
@@ -260,7 +278,7 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
             )
         elif name.startswith("RSS while streaming, retain off"):
             lines.append("*RSS while streaming, retain off*: allocator residue, as above.")
-        elif name.startswith("peak while preparing") and "retain on" in name:
+        elif name.startswith("peak while preparing") and "retain memory" in name:
             lines.append(
                 "*Peak while preparing*: when the changed body is serialized the process holds the parse (about "
                 "1.3x for many turns), the new body (1x) and the UTF-8 copies the encoder caches inside non-ASCII "
@@ -338,7 +356,7 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
         add(
             f"RSS over time for the {size / MiB:.0f} MiB many-turn request. The dashed line is each gateway's first "
             "response byte: asgi_lifetime settles just before it (retries over, parse and raw body released, "
-            "`malloc_trim` run), so from there it holds the outbound body (retain on) or nothing (retain off). "
+            "`malloc_trim` run), so from there it holds the outbound body (retain memory) or nothing (retain off). "
             "The ordinary proxy holds the raw body, the outbound body and the heap it freed for the whole answer, "
             "then re-parses in its bookkeeping."
         )
@@ -750,6 +768,70 @@ def _overload(results: dict[str, Any], add: Any) -> None:
         ]
         add(f"The 200s' p99 at 2x over their p99 at 0.5x: {', '.join(ratios)}.")
         add("")
+
+
+_RETAIN_FIGURES = ("median_stream", "peak_prepare", "after", "ttfb")
+
+
+def _retain_medians(retain: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per gateway, the median over the rounds of each figure."""
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for record in retain["records"]:
+        by_key.setdefault(record["gateway"], []).append(record)
+    return {
+        key: {figure: statistics.median(r[figure] for r in records) for figure in _RETAIN_FIGURES}
+        for key, records in by_key.items()
+    }
+
+
+def _retain(results: dict[str, Any], add: Any) -> None:
+    retain = results["retain"]
+    size = retain["size"]
+    medians = _retain_medians(retain)
+    add("## 8. The retained body: disk, memory, off")
+    add("")
+    add(
+        f"`RETAIN_OUTBOUND` on the {size / MiB:.0f} MiB many-turn request: {retain['rounds']} "
+        f"round{'s' if retain['rounds'] != 1 else ''}, the three "
+        "settings interleaved in each, one fresh gateway process per request; the demo upstream streams "
+        f"{retain['stream_tokens']} tokens at {retain['tokens_per_second']:.0f} tokens/s. With `disk` (the "
+        "default) the outbound body moves, once retries settle and while the answer already streams, to an "
+        f"unlinked temporary file in `RETAIN_DIR`, here the system temp dir `{retain['temp_dir']}` "
+        f"({retain['temp_fs']}); a re-issue reads it back from there. MiB above the warm baseline: medians over "
+        "the rounds, the range in brackets. Reproduce with `.venv/bin/python -m benchmarks.run --only retain` "
+        "(it updates this section of the stored results)."
+    )
+    add("")
+    load, here = retain["load"], retain.get("machine", results["machine"])
+    add(
+        f"This section was run on its own on {retain['date']} ({retain['seconds'] / 60:.1f} minutes), apart from "
+        f"the rest of the page, on {here['cores']} cores ({here['cpu']}, {here['platform']}) shared with other "
+        f"jobs (1-minute load average {min(load):.1f} to {max(load):.1f} during the run): compare its rows with "
+        "each other only."
+    )
+    add("")
+    add("| gateway | median while streaming | peak while preparing | after | TTFB | bodies moved to disk |")
+    add("|---|---|---|---|---|---|")
+    for key in ("gw_disk", "gw_on", "gw_off"):
+        records = [r for r in retain["records"] if r["gateway"] == key]
+        if not records:
+            continue
+        cells = []
+        for figure in ("median_stream", "peak_prepare", "after"):
+            values = [r[figure] for r in records]
+            cells.append(f"{medians[key][figure] / MiB:.1f} MiB ({min(values) / MiB:.1f} to {max(values) / MiB:.1f})")
+        spilled = sum(r["stats"]["spilled"] for r in records)
+        failures = sum(r["stats"]["spill_failures"] for r in records)
+        moved = f"{spilled} of {len(records)}" + (f", {failures} failed" if failures else "")
+        add(f"| {LABELS[key]} | {' | '.join(cells)} | {medians[key]['ttfb']:.2f} s | {moved} |")
+    add("")
+    add(
+        "RSS counts the process's own pages. The file's pages are in the kernel's page cache instead: charged to "
+        "the container's memory cgroup like any file written, but reclaimable, and never written to the disk if "
+        "the file is closed before the kernel's writeback (30 s by default); see the operators guide. The "
+        "re-issue from disk sends the identical bytes: `tests/gateway/test_spill.py`."
+    )
+    add("")
 
 
 def _changes(add: Any) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import psutil
 
 from benchmarks.bodies import SHAPES, make_body, small_body
@@ -61,6 +62,8 @@ class Mode:
     codec_size: int  # MiB
     trim_sizes: tuple[int, ...]
     plots: bool
+    retain_size: int = 64  # MiB, section 7: RETAIN_OUTBOUND disk vs memory vs off
+    retain_rounds: int = 3
 
 
 MODES = {
@@ -83,6 +86,8 @@ MODES = {
         64,
         (16, 64, 128),
         True,
+        retain_size=64,
+        retain_rounds=5,
     ),
     "quick": Mode(
         "quick",
@@ -103,15 +108,37 @@ MODES = {
         16,
         (16,),
         True,
+        retain_size=16,
+        retain_rounds=2,
     ),
     "smoke": Mode(
-        "smoke", (1,), ("turns",), ("gw_on", "ordinary"), 10, (), 1, 1, 3, 0.5, 1, (1, 8), 1, 1, (1,), 1, (), False
+        "smoke",
+        (1,),
+        ("turns",),
+        ("gw_on", "ordinary"),
+        10,
+        (),
+        1,
+        1,
+        3,
+        0.5,
+        1,
+        (1, 8),
+        1,
+        1,
+        (1,),
+        1,
+        (),
+        False,
+        retain_size=2,
+        retain_rounds=1,
     ),
 }
 
 LABELS = {
-    "gw_on": "asgi_lifetime gateway, RETAIN_OUTBOUND on",
-    "gw_off": "asgi_lifetime gateway, RETAIN_OUTBOUND off",
+    "gw_on": "asgi_lifetime gateway, RETAIN_OUTBOUND=memory",
+    "gw_disk": "asgi_lifetime gateway, RETAIN_OUTBOUND=disk (the default)",
+    "gw_off": "asgi_lifetime gateway, RETAIN_OUTBOUND=off",
     "gw_unchanged": "asgi_lifetime gateway, body unchanged (no preparer)",
     "gw_notrim": "asgi_lifetime gateway, malloc_trim disabled",
     "gw_ka8": "asgi_lifetime gateway, upstream keep-alive pool capped at 8 (diagnosis)",
@@ -123,15 +150,17 @@ LABELS = {
 
 def server_for(key: str, upstream: str) -> Server:
     if key == "gw_on":
-        return Server("gateway", upstream=upstream, retain=True)
+        return Server("gateway", upstream=upstream, retain="memory")
+    if key == "gw_disk":
+        return Server("gateway", upstream=upstream, retain="disk")
     if key == "gw_off":
-        return Server("gateway", upstream=upstream, retain=False)
+        return Server("gateway", upstream=upstream, retain="off")
     if key == "gw_unchanged":
-        return Server("gateway-unchanged", upstream=upstream, retain=True)
+        return Server("gateway-unchanged", upstream=upstream, retain="memory")
     if key == "gw_notrim":
-        return Server("gateway", upstream=upstream, retain=True, trim=False)
+        return Server("gateway", upstream=upstream, retain="memory", trim=False)
     if key == "gw_ka8":
-        return Server("gateway", upstream=upstream, retain=True, env={"BENCH_KEEPALIVE": "8"})
+        return Server("gateway", upstream=upstream, retain="memory", env={"BENCH_KEEPALIVE": "8"})
     if key == "ordinary":
         return Server("ordinary", upstream=upstream)
     if key == "bare":
@@ -160,8 +189,13 @@ async def one_large_request(key: str, upstream: str, body: bytes, *, keep_sample
     return {"gateway": key, **record}
 
 
-async def large_request_on(server: Server, body: bytes, *, keep_samples: bool = False) -> dict[str, Any]:
-    """Start ``server``, warm it up, send one large request; its RSS figures above the warm baseline."""
+async def large_request_on(
+    server: Server, body: bytes, *, keep_samples: bool = False, stats: bool = False
+) -> dict[str, Any]:
+    """Start ``server``, warm it up, send one large request; its RSS figures above the warm baseline.
+
+    ``stats``: also record the gateway's ``/lifetime/stats`` totals after the request."""
+    totals: dict[str, Any] = {}
     with server, Sampler(server.pid) as sampler:
         await _warm_up(server.url)
         await anyio.sleep(0.4)
@@ -171,6 +205,9 @@ async def large_request_on(server: Server, body: bytes, *, keep_samples: bool = 
             result = await conn.post(PATH, body)
         await anyio.sleep(1.0)
         end = time.monotonic()
+        if stats:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                totals = (await client.get("/lifetime/stats")).json()
     if result.status != 200:
         raise RuntimeError(f"{server.kind}: large request failed with {result.status}")
     size = len(body)
@@ -185,6 +222,8 @@ async def large_request_on(server: Server, body: bytes, *, keep_samples: bool = 
         # Area above the baseline from request start to 1 s after the end: memory x time held.
         "mib_seconds": _area(sampler.samples, result.started, end, base) / MiB,
     }
+    if stats:
+        record["stats"] = {k: totals[k] for k in ("spilled", "spill_failures", "retried", "completed")}
     if keep_samples:
         record["samples"] = [
             (t - result.started, (rss - base) / MiB) for t, rss in sampler.samples if result.started - 0.2 <= t <= end
@@ -241,6 +280,57 @@ async def bench_memory(mode: Mode, results: dict[str, Any]) -> None:
         "tokens_per_second": TOKENS_PER_SECOND,
         "stream_tokens": mode.stream_tokens,
     }
+
+
+# -- 7. the retained outbound body: disk, memory, off -----------------------------------------------------
+
+
+async def bench_retain(mode: Mode, results: dict[str, Any]) -> None:
+    """RETAIN_OUTBOUND disk vs memory vs off on the many-turn target case: rounds interleaved, one fresh
+    gateway process per request (RETAIN_DIR: the system temp dir)."""
+    body = make_body("turns", mode.retain_size * MiB, max_tokens=mode.stream_tokens)
+    records: list[dict[str, Any]] = []
+    started, load = time.monotonic(), [os.getloadavg()[0]]
+    date = time.strftime("%a %b %e %H:%M:%S UTC %Y", time.gmtime())  # as date(1) prints it
+    with Server("demo", tokens_per_second=TOKENS_PER_SECOND) as upstream:
+        for number in range(mode.retain_rounds):
+            for key in ("gw_disk", "gw_on", "gw_off"):
+                record = await large_request_on(server_for(key, upstream.url), body, stats=True)
+                records.append({"gateway": key, "round": number, **record})
+                log(
+                    f"retain {key} round {number}: streaming {record['median_stream'] / MiB:.1f} MiB, "
+                    f"peak {record['peak_prepare'] / MiB:.0f} MiB, ttfb {record['ttfb']:.2f} s, "
+                    f"spilled {record['stats']['spilled']}"
+                )
+            load.append(os.getloadavg()[0])
+    temp_dir = tempfile.gettempdir()
+    results["retain"] = {
+        "size": len(body),
+        "rounds": mode.retain_rounds,
+        "records": records,
+        "stream_tokens": mode.stream_tokens,
+        "tokens_per_second": TOKENS_PER_SECOND,
+        "temp_dir": temp_dir,
+        "temp_fs": _filesystem(temp_dir),
+        "load": load,
+        "date": date,
+        "seconds": time.monotonic() - started,
+    }
+
+
+def _filesystem(path: str) -> str:
+    """The type of the file system ``path`` is on (``ext4``, ``tmpfs``...), from /proc/self/mounts."""
+    real, best, kind = os.path.realpath(path), "", "unknown"
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                point = fields[1].replace("\\040", " ")
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        pass
+    return kind
 
 
 # -- 2. steady state ---------------------------------------------------------------------------------------
@@ -526,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--smoke", action="store_true", help="1 MiB, one shape, no plots (the test suite's check)")
     parser.add_argument("--out", type=Path, default=None, help="where benchmarks.md and the plots go (docs/)")
     parser.add_argument(
-        "--only", default="", help="comma-separated: memory,steady,overhead,ttfb,fingerprint,codec,overload"
+        "--only", default="", help="comma-separated: memory,steady,overhead,ttfb,fingerprint,codec,overload,retain"
     )
     parser.add_argument("--report-only", action="store_true", help="rebuild the page from the stored results")
     args = parser.parse_args(argv)
@@ -544,11 +634,14 @@ def main(argv: list[str] | None = None) -> int:
 
     only = {name for name in args.only.split(",") if name}
     results: dict[str, Any] = {"mode": mode.name, "machine": machine(), "command": _command(args)}
+    partial = False
     if only and store.exists():  # a partial run updates the stored results
         previous = json.loads(store.read_text())
         if previous.get("mode") == mode.name:
-            # The page's machine line and duration stay those of the full run; a section run on its
-            # own says so, with its own date (the overload section always does).
+            # The page's header stays the full run's (machine, date, duration); each section run
+            # here records its own machine next to its results (the overload section its date too).
+            partial = True
+            here = results["machine"]
             results = {**previous, "command": previous.get("command")}
     started = time.monotonic()
     steps: list[tuple[str, Callable[[], Any]]] = [
@@ -559,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         ("fingerprint", lambda: bench_fingerprint(mode, results)),
         ("codec", lambda: bench_codec(mode, results)),
         ("overload", lambda: anyio.run(bench_overload, mode.name, results, log)),
+        ("retain", lambda: anyio.run(bench_retain, mode, results)),
     ]
     for name, step in steps:
         if only and name not in only:
@@ -567,11 +661,13 @@ def main(argv: list[str] | None = None) -> int:
         step_started = time.monotonic()
         step()
         results.setdefault("seconds", {})[name] = time.monotonic() - step_started
-    if not only or "total_seconds" not in results:
+        if partial and isinstance(results.get(name), dict):
+            results[name]["machine"] = here
+    if not partial:
         results["total_seconds"] = time.monotonic() - started
     store.write_text(json.dumps(results, indent=1))
     write_report(results, out, plots=mode.plots, redraw=frozenset(only) if only else None)
-    log(f"done in {results['total_seconds']:.0f} s: {out / 'benchmarks.md'}")
+    log(f"done in {time.monotonic() - started:.0f} s: {out / 'benchmarks.md'}")
     return 0
 
 

@@ -127,7 +127,7 @@ def build_app(
     kind: str,
     *,
     upstream: str | None,
-    retain: bool,
+    retain: str,
     tokens_per_second: float,
     trim: bool = True,
     settings_changes: dict[str, str] | None = None,
@@ -248,7 +248,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("kind")
     parser.add_argument("--upstream")
-    parser.add_argument("--retain", choices=["on", "off"], default="on")
+    # RETAIN_OUTBOUND; "on" is memory (what it meant when it was a bool: before_after.py runs older checkouts).
+    parser.add_argument("--retain", choices=["on", "memory", "disk", "off"], default="on")
     parser.add_argument("--tokens-per-second", type=float, default=50.0)
     parser.add_argument("--no-trim", action="store_true", help="gateway: MALLOC_TRIM off (no malloc_trim at all)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="gateway: a setting")
@@ -258,7 +259,7 @@ def main() -> None:
     app = build_app(
         args.kind,
         upstream=args.upstream,
-        retain=args.retain == "on",
+        retain="memory" if args.retain == "on" else args.retain,
         tokens_per_second=args.tokens_per_second,
         trim=not args.no_trim,
         settings_changes=dict(item.split("=", 1) for item in args.set),
@@ -297,7 +298,7 @@ class Server:
         kind: str,
         *,
         upstream: str | None = None,
-        retain: bool = True,
+        retain: str = "memory",
         tokens_per_second: float = 50.0,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
@@ -312,7 +313,7 @@ class Server:
             "benchmarks.servers",
             kind,
             "--retain",
-            "on" if retain else "off",
+            "on" if retain == "memory" else retain,
             "--tokens-per-second",
             str(tokens_per_second),
         ]

@@ -222,6 +222,21 @@ async def test_gauges_go_up_and_back_to_zero() -> None:
 
 
 @anyio_mark
+async def test_retain_on_disk_counts_retained_disk_bytes_until_released() -> None:
+    counters = Counters()
+    async with RequestResources(counters) as scope:
+        on_disk = scope.retain_on_disk(300)
+        assert (counters.retained_disk_bytes, counters.retained_input_bytes) == (300, 0)
+        assert not counters.snapshot().idle  # a file still open is not idle
+        on_disk.release_now()
+        assert counters.retained_disk_bytes == 0
+        scope.retain_on_disk(40)
+    assert counters.retained_disk_bytes == 0 and counters.snapshot().idle
+    with pytest.raises(RuntimeError, match="already released"):
+        scope.retain_on_disk(1)
+
+
+@anyio_mark
 async def test_scopes_share_counters() -> None:
     counters = Counters()
     first = RequestResources(counters)
@@ -258,6 +273,7 @@ GAUGES = [
     "retained_input_bytes",
     "live_resources",
     "pinned_sessions",
+    "retained_disk_bytes",
 ]
 TOTALS = [f.name for f in dataclasses.fields(LifetimeStats) if f.name not in GAUGES]
 

@@ -36,7 +36,9 @@ def test_defaults() -> None:
     assert settings.max_attempts == 4
     assert settings.backoff_base == 0.5
     assert settings.backoff_max == 8.0
-    assert settings.retain_outbound is True
+    assert settings.retain_outbound == "disk"
+    assert settings.retain_spill_bytes == 1 * MiB
+    assert settings.retain_dir is None
     assert settings.malloc_trim is True
     assert settings.session_header == "x-session-id"
     assert settings.error_body_limit == 64 * KiB
@@ -96,7 +98,7 @@ def test_from_mapping_takes_typed_values_as_they_are() -> None:
     settings = LifetimeSettings.from_mapping({"max_inflight": 3, "paths": ["/a/"], "retain_outbound": False})
     assert settings.max_inflight == 3
     assert settings.paths == ("/a/",)
-    assert settings.retain_outbound is False
+    assert settings.retain_outbound == "off"  # a bool keeps its meaning: not retained
 
 
 @pytest.mark.parametrize(
@@ -161,12 +163,58 @@ def test_duration_parsing(key: str, raw: str, expected: float) -> None:
         (" Off ", False),
     ],
 )
-@pytest.mark.parametrize("name", ["retain_outbound", "malloc_trim"])
+@pytest.mark.parametrize("name", ["malloc_trim"])
 def test_bool_parsing(name: str, raw: str, expected: bool) -> None:
     assert getattr(LifetimeSettings.from_mapping({name: raw}), name) is expected
     assert (
         getattr(LifetimeSettings.from_environ({f"ASGI_LIFETIME_{name.upper()}": raw}, env_file=None), name) is expected
     )
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("disk", "disk"),
+        ("memory", "memory"),
+        ("off", "off"),
+        (" Memory ", "memory"),
+        ("DISK", "disk"),
+        # RETAIN_OUTBOUND was a bool: true/false keep their meaning (retained or not); retained is on disk.
+        ("true", "disk"),
+        ("1", "disk"),
+        ("yes", "disk"),
+        ("on", "disk"),
+        ("false", "off"),
+        ("0", "off"),
+        ("no", "off"),
+    ],
+)
+def test_retain_outbound_modes_and_booleans(raw: str, expected: str) -> None:
+    assert LifetimeSettings.from_mapping({"retain_outbound": raw}).retain_outbound == expected
+    environ = {"ASGI_LIFETIME_RETAIN_OUTBOUND": raw}
+    assert LifetimeSettings.from_environ(environ, env_file=None).retain_outbound == expected
+
+
+@pytest.mark.parametrize(("value", "expected"), [(True, "disk"), (False, "off"), ("memory", "memory")])
+def test_retain_outbound_in_code_takes_a_mode_or_a_bool(value: object, expected: str) -> None:
+    settings = LifetimeSettings(retain_outbound=value)  # type: ignore[arg-type]
+    assert settings.retain_outbound == expected
+    assert settings.replace(malloc_trim=False).retain_outbound == expected
+
+
+def test_retain_outbound_error_names_the_modes() -> None:
+    with pytest.raises(
+        ValueError, match=r"^ASGI_LIFETIME_RETAIN_OUTBOUND=tmpfs is invalid: expected memory, disk or off"
+    ):
+        LifetimeSettings.from_mapping({"retain_outbound": "tmpfs"})
+
+
+def test_retain_spill_bytes_and_dir() -> None:
+    settings = LifetimeSettings.from_mapping({"retain_spill_bytes": "4MiB", "retain_dir": "/var/tmp/gw"})
+    assert (settings.retain_spill_bytes, settings.retain_dir) == (4 * MiB, "/var/tmp/gw")
+    assert LifetimeSettings.from_mapping({"retain_dir": " "}).retain_dir is None  # empty: the system temp dir
+    with pytest.raises(ValueError, match="^ASGI_LIFETIME_RETAIN_DIR=var/tmp is invalid: must be an absolute"):
+        LifetimeSettings.from_mapping({"retain_dir": "var/tmp"})
 
 
 @pytest.mark.parametrize(
@@ -245,6 +293,12 @@ INVALID_STRINGS = [
     ("keepalive_interval", "0"),
     ("retain_outbound", "maybe"),
     ("retain_outbound", "2"),
+    ("retain_outbound", "tmpfs"),
+    ("retain_outbound", ""),
+    ("retain_spill_bytes", "-1"),
+    ("retain_spill_bytes", "lots"),
+    ("retain_dir", "relative/dir"),
+    ("retain_dir", "tmp"),
     ("malloc_trim", "maybe"),
     ("malloc_trim", "-1"),
     ("malloc_trim", ""),
@@ -297,6 +351,13 @@ def test_huge_body_limit_is_a_value_error() -> None:
         ("body_idle_timeout", float("inf"), "inf"),
         ("body_idle_timeout", False, "False"),
         ("retain_outbound", 1, "1"),
+        ("retain_outbound", "on-disk", "on-disk"),
+        ("retain_outbound", "Disk", "Disk"),  # in code, the mode exactly; from text, any case
+        ("retain_spill_bytes", -1, "-1"),
+        ("retain_spill_bytes", 1.5, "1.5"),
+        ("retain_dir", "var/tmp", "var/tmp"),
+        ("retain_dir", "/tmp/a\0b", "/tmp/a\0b"),
+        ("retain_dir", 3, "3"),
         ("malloc_trim", 0, "0"),
         ("malloc_trim", "off", "off"),
         ("paths", "/v1/", "/v1/"),
@@ -523,7 +584,7 @@ def test_public_items_mask_secrets() -> None:
     assert items["ASGI_LIFETIME_UPSTREAM_API_KEY"] == "***"
     assert items["ASGI_LIFETIME_PATHS"] == "/a/,/b/"
     assert items["ASGI_LIFETIME_MAX_BODY_BYTES"] == str(64 * MiB)
-    assert items["ASGI_LIFETIME_RETAIN_OUTBOUND"] == "True"
+    assert items["ASGI_LIFETIME_RETAIN_OUTBOUND"] == "disk"
     rendered = " ".join(items.values()) + repr(settings)
     assert SECRET not in rendered
     assert "other-key" not in rendered

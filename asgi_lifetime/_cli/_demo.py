@@ -78,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retain-outbound",
         action="store_true",
-        help="keep the outbound body while streaming (RETAIN_OUTBOUND, for one blind re-issue); "
-        "off here, so retained input drops to 0 at release",
+        help="keep the outbound body in memory while streaming (RETAIN_OUTBOUND=memory, for one blind "
+        "re-issue); off here, so retained input drops to 0 at release",
     )
 
 
@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
             max_inflight_bytes=max(GiB, conversation.size),
             backoff_base=0.2,
             backoff_max=1.0,
-            retain_outbound=args.retain_outbound,
+            # The demo shows the retained body as retained input: kept in memory, not moved to disk.
+            retain_outbound="memory" if args.retain_outbound else "off",
         )
         gateway = create_app(settings, preparers=[watch.inject_system_prompt], listener=watch.on_attempt)
         watch.stats_source = gateway.state.lifetime.stats
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                         if args.no_faults
                         else f"503 once, then 400 context overflow above {_size(overflow)}, then stream"
                     ),
-                    f"  RETAIN_OUTBOUND={'true' if args.retain_outbound else 'false'}",
+                    f"  RETAIN_OUTBOUND={'memory' if args.retain_outbound else 'off'}",
                 ]
             )
             sampler = _RssSampler(watch)

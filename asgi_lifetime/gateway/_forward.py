@@ -8,9 +8,10 @@ then), never in a local of a frame that stays suspended while the answer streams
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -20,12 +21,13 @@ from starlette.types import Receive, Scope, Send
 from .._asgi import is_json, send_error, single_field, upstream_path, wait_disconnect
 from .._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
 from .._middleware import Lifetime, RequestLifetime
-from .._resources import Resource
+from .._resources import RequestResources, Resource
 from ._bookkeeping import Bookkeeper, Outcome, SessionBook, record_outcome
 from ._memory import trim_after_large_request
 from ._prepare import Prepared, Preparer, prepare
 from ._refold import Conversation, Refold, default_refold
-from ._relay import filter_headers, relay
+from ._relay import RelayResult, filter_headers, relay
+from ._spill import spill
 from ._transport import close_response
 from ._upstream import UpstreamClient
 
@@ -108,27 +110,7 @@ class Forwarder:
             resources.add(response.aclose)  # closed when the request settles, whatever happens below
             attempts = int(response.extensions.get("asgi_lifetime.attempts", 1))
             upstream_url = response.extensions.get("asgi_lifetime.upstream")
-            retained = len(prepared.body) if prepared.body is not None else 0
-            if retained:
-                resources.retain(retained)  # the retained outbound body, for one re-issue
-
-            async def reissue() -> httpx.Response | None:
-                return await self.upstream.reissue(prepared, session_id=session_id)
-
-            result = await relay(
-                response,
-                send=send,
-                receive=receive,
-                stall_timeout=self.settings.stall_timeout,
-                keepalive_interval=self.settings.keepalive_interval,
-                reissue=reissue if prepared.body is not None else None,
-                counters=self.lifetime.counters,
-                stop=self.stop,
-                error_shape=error_shape(scope["path"], scope["headers"]),
-            )
-            prepared.release_body()
-            # Below 32 MiB glibc may have put the body on the heap (its mmap threshold grows): give it back too.
-            trim_after_large_request(retained, enabled=self.settings.malloc_trim)
+            result = await self._relay(scope, receive, send, response, prepared, session_id)
             status, outcome, bytes_out, first_byte_at = (
                 result.status,
                 result.outcome,
@@ -154,6 +136,83 @@ class Forwarder:
             )
             for bookkeeper in self.bookkeepers:
                 await record_outcome(bookkeeper, finished)
+
+    async def _relay(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        response: httpx.Response,
+        prepared: Prepared,
+        session_id: str | None,
+    ) -> RelayResult:
+        """Relay ``response``, keeping the retained outbound body (in memory, or on disk as soon as it
+        is written there) for one re-issue until the relay ends."""
+        resources: RequestResources = scope["state"]["lifetime"].resources
+        retained = prepared.body_size
+        kept = resources.retain(retained) if retained else None  # the retained outbound body, for one re-issue
+
+        async def reissue() -> httpx.Response | None:
+            return await self.upstream.reissue(prepared, session_id=session_id)
+
+        async def relay_response() -> RelayResult:
+            return await relay(
+                response,
+                send=send,
+                receive=receive,
+                stall_timeout=self.settings.stall_timeout,
+                keepalive_interval=self.settings.keepalive_interval,
+                reissue=reissue if prepared.has_body else None,
+                counters=self.lifetime.counters,
+                stop=self.stop,
+                error_shape=error_shape(scope["path"], scope["headers"]),
+            )
+
+        if kept is not None and self._spills(retained):
+            result = await self._relay_spilling(relay_response, prepared, kept, resources)
+        else:
+            result = await relay_response()
+        in_memory = prepared.body is not None  # a body moved to disk was trimmed away when it moved
+        prepared.release_body()
+        if in_memory:
+            # Below 32 MiB glibc may have put the body on the heap (its mmap threshold grows): give it back too.
+            trim_after_large_request(retained, enabled=self.settings.malloc_trim)
+        return result
+
+    def _spills(self, size: int) -> bool:
+        """A retained body of ``size`` bytes goes to disk (``RETAIN_OUTBOUND=disk``, above ``RETAIN_SPILL_BYTES``)."""
+        return self.settings.retain_outbound == "disk" and size > self.settings.retain_spill_bytes
+
+    async def _relay_spilling(
+        self,
+        relay_response: Callable[[], Awaitable[RelayResult]],
+        prepared: Prepared,
+        held: Resource,
+        resources: RequestResources,
+    ) -> RelayResult:
+        """Relay while the retained body moves to disk: the first byte does not wait for the write,
+        and a relay that ends first cancels it (the half-written file is closed at once)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                functools.partial(
+                    spill,
+                    prepared,
+                    held=held,
+                    resources=resources,
+                    directory=self.settings.retain_dir,
+                    counters=self.lifetime.counters,
+                    malloc_trim=self.settings.malloc_trim,
+                )
+            )
+            try:
+                result: RelayResult | Exception = await relay_response()
+            except Exception as exc:  # raised below as it is, not wrapped in the task group's ExceptionGroup
+                result = exc
+            finally:
+                tg.cancel_scope.cancel()
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     async def _forward(
         self, prepared: Prepared, held: _InputCharge, receive: Receive, session_id: str | None

@@ -106,6 +106,15 @@ _MAX_UPSTREAM_LABELS: Final = 64
 _OVERFLOW_LABEL: Final = "other"
 _NO_UPSTREAM_LABEL: Final = "none"
 
+# The retained outbound body on disk (RETAIN_OUTBOUND=disk, gateway/_spill.py); part of the tuples below.
+_RETAIN_GAUGES: Final = (
+    ("retained_disk_bytes", "retained_disk_bytes", "Retained outbound body bytes held in temporary files, not in RAM."),
+)
+_RETAIN_TOTALS: Final = (
+    ("retain_spilled", "spilled", "Retained outbound bodies moved to a temporary file."),
+    ("retain_spill_failures", "spill_failures", "Retained bodies kept in memory because writing them to disk failed."),
+)
+
 # (metric name without prefix, Counters field, help). Read at scrape time, or mirrored.
 _GAUGES: Final = (
     ("inflight_requests", "inflight_requests", "Requests admitted and not yet settled."),
@@ -114,6 +123,7 @@ _GAUGES: Final = (
     ("retained_input_bytes", "retained_input_bytes", "Request input bytes held right now (raw and outbound bodies)."),
     ("live_resources", "live_resources", "Per-request resources acquired and not yet released."),
     ("pinned_sessions", "pinned_sessions", "Session pins held by in-flight requests."),
+    *_RETAIN_GAUGES,
 )  # fmt: skip
 _TOTALS: Final = (
     ("admitted", "admitted", "Requests admitted."),
@@ -124,6 +134,7 @@ _TOTALS: Final = (
     ("completed", "completed", "Requests the wrapped app finished handling."),
     ("starvations", "starved", "Upstream streams that ended with no output or no terminal event (re-issued or not)."),
     ("stalls", "stalled", "Upstream streams that sent nothing for the stall timeout."),
+    *_RETAIN_TOTALS,
 )  # fmt: skip
 # The session store (``SESSION_STORE``): (name without prefix, help).
 _STORE_UP: Final = (

@@ -23,13 +23,16 @@ import functools
 import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from .. import _json
 from .._fingerprint import Fingerprint
 from .._resources import RequestResources
 from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
+
+if TYPE_CHECKING:
+    from ._spill import SpilledBody
 
 __all__ = ["Draft", "Prepared", "Preparer", "prepare"]
 
@@ -106,10 +109,12 @@ class Prepared:
 
     ``refold`` and ``remap_role`` build a new body from the current one on a rejection (the
     default ones re-parse ``body``; custom factories' closures may hold the parse);
-    ``settle()`` drops them (and, unless the outbound body is retained, the body).
+    ``settle()`` drops them (and, unless the outbound body is retained, the body). A retained
+    body may then move to disk (``spill_to``, ``RETAIN_OUTBOUND=disk``): ``body`` is None and
+    ``spilled`` holds it; ``has_body`` and ``body_size`` answer for either place.
     """
 
-    __slots__ = ("method", "path", "headers", "body", "refold", "remap_role", "_settled", "__weakref__")
+    __slots__ = ("method", "path", "headers", "body", "spilled", "refold", "remap_role", "_settled", "__weakref__")
 
     def __init__(
         self,
@@ -125,6 +130,7 @@ class Prepared:
         self.path = path
         self.headers = headers
         self.body = body
+        self.spilled: SpilledBody | None = None
         self.refold = refold
         self.remap_role = remap_role
         self._settled = False
@@ -133,20 +139,48 @@ class Prepared:
     def settled(self) -> bool:
         return self._settled
 
+    @property
+    def has_body(self) -> bool:
+        """An outbound body is held, in memory (``body``) or on disk (``spilled``)."""
+        return self.body is not None or self.spilled is not None
+
+    @property
+    def body_size(self) -> int:
+        """The outbound body's length, wherever it is held (0 without one)."""
+        if self.body is not None:
+            return len(self.body)
+        return self.spilled.size if self.spilled is not None else 0
+
     def settle(self, *, retain_outbound: bool) -> None:
         """Retries are over: drop the refold and remap closures, and the body unless retained. Idempotent."""
         self._settled = True
         self.refold = None
         self.remap_role = None
         if not retain_outbound:
-            self.body = None
+            self.release_body()
 
-    def release_body(self) -> None:
-        """Drop the outbound body (e.g. once a retained body is no longer needed)."""
+    def spill_to(self, spilled: SpilledBody) -> None:
+        """The retained body now lives in ``spilled`` (a copy of it on disk): drop the one in memory."""
+        if not self._settled:
+            raise RuntimeError("only a settled request's body moves to disk: retries may still change it")
+        self.spilled = spilled
         self.body = None
 
+    def release_body(self) -> None:
+        """Drop the outbound body, and close its file if it was on disk (e.g. once a retained body is
+        no longer needed). Idempotent."""
+        self.body = None
+        spilled, self.spilled = self.spilled, None
+        if spilled is not None:
+            spilled.close()
+
     def __repr__(self) -> str:
-        size = "released" if self.body is None else f"{len(self.body)} bytes"
+        if self.body is not None:
+            size = f"{len(self.body)} bytes"
+        elif self.spilled is not None:
+            size = f"{self.spilled.size} bytes on disk"
+        else:
+            size = "released"
         return f"<Prepared {self.method} {self.path} body={size} settled={self._settled}>"
 
 

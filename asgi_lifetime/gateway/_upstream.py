@@ -39,6 +39,7 @@ from ._pool import UpstreamPool
 from ._prepare import Prepared
 from ._refold import match_overflow, match_rejected_role
 from ._retry import Retry, asked_wait, resend_safe, says_no_retry
+from ._spill import SLICE, SpilledBody
 from ._transport import GuardedTransport
 
 __all__ = ["AttemptEvent", "UpstreamClient"]
@@ -82,16 +83,18 @@ class _Failure:
 
 # The body goes out in slices: handed one large bytes object, asyncio's socket transport
 # (Python < 3.12) copies the unsent rest of it into its buffer, twice for a moment (a slice,
-# then a bytearray): +2x the body at peak. Slices keep that copy at one slice.
-_SEND_SLICE = 1024 * 1024
+# then a bytearray): +2x the body at peak. Slices keep that copy at one slice. A body retained
+# on disk is read back in the same slices.
+_SEND_SLICE = SLICE
 
 
 class _BodyIterator:
-    __slots__ = ("_holder", "_body", "_offset", "_stream")
+    __slots__ = ("_holder", "_body", "_spilled", "_offset", "_stream")
 
     def __init__(self, holder: Prepared, stream: _BodyStream) -> None:
         self._holder = holder
         self._body: bytes | None = None
+        self._spilled: SpilledBody | None = None
         self._offset = 0
         self._stream = stream
 
@@ -101,6 +104,9 @@ class _BodyIterator:
     async def __anext__(self) -> bytes:
         if self._offset == 0:
             self._body = self._holder.body  # this attempt's body, as its Content-Length was computed
+            self._spilled = self._holder.spilled if self._body is None else None
+        if self._spilled is not None:
+            return await self._next_from_disk(self._spilled)
         body = self._body
         if not body or self._offset >= len(body):
             self._body = None
@@ -110,6 +116,16 @@ class _BodyIterator:
             self._offset = len(body)
             return body  # small bodies: no copy
         piece = body[self._offset : self._offset + _SEND_SLICE]
+        self._offset += len(piece)
+        return piece
+
+    async def _next_from_disk(self, spilled: SpilledBody) -> bytes:
+        """The next slice of a body retained on disk (``OSError`` if it cannot be read back)."""
+        if self._offset >= spilled.size:
+            self._spilled = None
+            self._stream.sent = True
+            raise StopAsyncIteration
+        piece = await spilled.read(self._offset, _SEND_SLICE)
         self._offset += len(piece)
         return piece
 
@@ -366,13 +382,19 @@ class UpstreamClient:
         ]
 
     async def reissue(self, prepared: Prepared, *, session_id: str | None = None) -> httpx.Response | None:
-        """One blind re-issue of the retained outbound body (after a starved stream).
+        """One blind re-issue of the retained outbound body (after a starved stream), from memory or
+        streamed back from its file on disk.
 
-        Returns the new open response, or None if the body was released or the attempt failed.
+        Returns the new open response, or None if the body was released, could not be read back
+        from disk, or the attempt failed.
         """
-        if prepared.body is None:
+        if not prepared.has_body:
             return None
-        outcome = await self._send(prepared, self._choose(session_id, frozenset()))
+        try:
+            outcome = await self._send(prepared, self._choose(session_id, frozenset()))
+        except OSError as exc:  # the body's file failed while being sent (httpx errors are _Failures)
+            logger.warning("re-issue: the retained outbound body could not be read back from disk (%s)", exc)
+            return None
         if isinstance(outcome, _Failure):
             return None
         if outcome.status_code >= 400:
@@ -402,7 +424,7 @@ class UpstreamClient:
             response = await self._attempts(prepared, session_id, run)
         finally:
             try:
-                prepared.settle(retain_outbound=self._settings.retain_outbound)
+                prepared.settle(retain_outbound=self._settings.retain_outbound != "off")
                 on_retries_settled()
             except BaseException:
                 if response is not None:
@@ -557,8 +579,8 @@ class UpstreamClient:
         named = {k.lower() for k, _ in outbound} | _OWN_HEADERS
         defaults = [(k, v) for k, v in self._client.headers.multi_items() if k.lower() not in named]
         headers = [("Host", url.netloc.decode("ascii")), ("Accept-Encoding", "identity"), *defaults, *outbound]
-        if prepared.body is not None:
-            headers.append(("Content-Length", str(len(prepared.body))))
+        if prepared.has_body:
+            headers.append(("Content-Length", str(prepared.body_size)))
         basic = self._basic.get(base)
         # A credential among the caller's client= default headers counts too (else two would go out).
         if basic is not None and not any(

@@ -45,7 +45,7 @@ def test_the_demo_without_faults_takes_one_attempt(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "retry:" not in out and "refold:" not in out
     assert "RELEASED: retries settled after 1 attempt (status 200)" in out
-    assert "RETAIN_OUTBOUND=true" in out and "result: OK" in out
+    assert "RETAIN_OUTBOUND=memory" in out and "result: OK" in out
 
 
 def test_the_demo_command_in_a_real_process(tmp_path: Path) -> None:

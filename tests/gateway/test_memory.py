@@ -12,6 +12,7 @@ import respx
 from asgi_lifetime import LifetimeSettings, _json
 from asgi_lifetime._fingerprint import fingerprint
 from asgi_lifetime._resources import RequestResources
+from asgi_lifetime._settings import RetainOutbound
 from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway import _memory, create_app
 from asgi_lifetime.gateway._prepare import Draft, prepare
@@ -109,10 +110,10 @@ async def test_prepare_trims_while_serializing_only_when_enabled(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("malloc_trim", [True, False])
-@pytest.mark.parametrize("retain_outbound", [True, False])
+@pytest.mark.parametrize("retain_outbound", ["disk", "memory", "off"])
 @pytest.mark.parametrize("changed", [True, False], ids=["changed", "unchanged"])
 async def test_the_gateway_trims_a_large_request_only_when_enabled(
-    monkeypatch: pytest.MonkeyPatch, malloc_trim: bool, retain_outbound: bool, changed: bool
+    monkeypatch: pytest.MonkeyPatch, malloc_trim: bool, retain_outbound: RetainOutbound, changed: bool
 ) -> None:
     calls = _count_trims(monkeypatch)
     body = _large_conversation()

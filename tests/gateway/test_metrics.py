@@ -206,6 +206,16 @@ def test_session_store_state_is_read_at_scrape_time() -> None:
     assert not [name for name, _ in without if "session_store" in name]
 
 
+def test_retained_body_on_disk_metrics() -> None:
+    counters = Counters()
+    metrics = GatewayMetrics(stats=counters.snapshot, describe_upstreams=list)
+    counters.retained_disk_bytes, counters.spilled, counters.spill_failures = 3 * 1024 * 1024, 4, 1
+    s = parse(metrics.render()[0])
+    assert value(s, "retained_disk_bytes") == 3 * 1024 * 1024
+    assert value(s, "retain_spilled_total") == 4
+    assert value(s, "retain_spill_failures_total") == 1
+
+
 def test_no_session_path_query_or_credentials_in_labels() -> None:
     metrics = GatewayMetrics(stats=known_counters().snapshot, describe_upstreams=describe)
     feed(metrics)

@@ -13,9 +13,11 @@ gateway suspended mid-stream, the test checks:
   body when they need it instead of holding the parse;
 - those closures (found on the ``Prepared`` holder during the attempt, before retries settle)
   hold no parse, and are dead;
-- the raw bytes: ``tracemalloc`` sees about the outbound body (RETAIN_OUTBOUND on) or nearly
-  nothing (off), where any suspended frame holding the raw body would add another 32 MiB;
-- ``retained_input_bytes`` is exactly the outbound body's size, or 0.
+- the raw bytes: ``tracemalloc`` sees about the outbound body (RETAIN_OUTBOUND=memory) or nearly
+  nothing (off, or disk once the body is in its temporary file), where any suspended frame
+  holding the raw body would add another 32 MiB;
+- ``retained_input_bytes`` is exactly the outbound body's size (memory), or 0; ``retained_disk_bytes``
+  is the outbound body's size with disk.
 
 After the response ends, everything is back to idle.
 """
@@ -38,9 +40,12 @@ from blake3 import blake3
 from starlette.types import Message
 
 from asgi_lifetime import LifetimeSettings, MiB
+from asgi_lifetime._settings import RetainOutbound
 from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._prepare import Draft, Prepared
 from asgi_lifetime.gateway._refold import Conversation
+
+from ..reliability.test_faults import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -231,13 +236,15 @@ def body() -> bytes:
 @pytest.mark.parametrize(
     ("retain", "change"),
     [
-        pytest.param(False, False, id="retain-off"),
-        pytest.param(True, False, id="retain-on"),
-        pytest.param(True, True, id="retain-on-changed-body"),
-        pytest.param(False, True, id="retain-off-changed-body"),
+        pytest.param("off", False, id="retain-off"),
+        pytest.param("memory", False, id="retain-memory"),
+        pytest.param("memory", True, id="retain-memory-changed-body"),
+        pytest.param("off", True, id="retain-off-changed-body"),
+        pytest.param("disk", False, id="retain-disk"),
+        pytest.param("disk", True, id="retain-disk-changed-body"),
     ],
 )
-async def test_input_is_released_before_the_answer_streams(body: bytes, retain: bool, change: bool) -> None:
+async def test_input_is_released_before_the_answer_streams(body: bytes, retain: RetainOutbound, change: bool) -> None:
     assert 30 * MiB < len(body) < 34 * MiB
     probe = Probe()
     upstream = Upstream(probe)
@@ -257,6 +264,8 @@ async def test_input_is_released_before_the_answer_streams(body: bytes, retain: 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app, scope_for(body), client.receive, client.send)
                 await client.first_event.wait()
+                if retain == "disk":  # the body moves to disk while the answer streams: wait for it
+                    await eventually(lambda: lifetime.stats().spilled == 1, seconds=20)
 
                 # --- mid-stream: the upstream is waiting, the gateway is suspended in the relay.
                 gc.collect()
@@ -288,13 +297,15 @@ async def test_input_is_released_before_the_answer_streams(body: bytes, retain: 
     assert probe.graph_at_attempt == 0
     assert (graph_alive, closures_alive) == (0, 0)
     # (b) the raw body: only the retained outbound body is still reachable, and accounted for.
+    # With RETAIN_OUTBOUND=disk the retained body is in a temporary file, not in the process.
     ratio = streaming_memory / len(body)
-    if retain:
+    if retain == "memory":
         assert 0.8 < ratio < 1.6, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
         assert stats.retained_input_bytes == outbound
     else:
         assert ratio < 0.3, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
         assert stats.retained_input_bytes == 0
+    assert stats.retained_disk_bytes == (outbound if retain == "disk" else 0)
     assert stats.inflight_requests == 1 and stats.pinned_sessions == 1
     # (c) after the response: idle, and nothing of the request left.
     assert client.start is not None and client.start["status"] == 200

@@ -71,6 +71,7 @@ GAUGES = (
     "retained_input_bytes",
     "live_resources",
     "pinned_sessions",
+    "retained_disk_bytes",
 )
 IDLE_TIMEOUT = 3.0
 
