@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pytest
+import yaml
 
 from asgi_lifetime import LifetimeSettings, MiB
 from asgi_lifetime._cli._main import SHUTDOWN_BACKSTOP
@@ -124,16 +124,11 @@ def test_k8s_and_compose_invariants_in_text() -> None:
 # --- compose and Kubernetes, parsed ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def yaml() -> Any:
-    return pytest.importorskip("yaml", reason="PyYAML parses the compose file and manifests (pip install pyyaml)")
-
-
-def load_all(yaml: Any, path: Path) -> list[dict[str, Any]]:
+def load_all(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def test_compose_file(yaml: Any) -> None:
+def test_compose_file() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
     assert set(services) == {"gateway-1", "gateway-2", "redis", "nginx"}
@@ -162,12 +157,12 @@ def test_compose_file(yaml: Any) -> None:
 
 
 def manifests(yaml: Any) -> dict[str, dict[str, Any]]:
-    found = {doc["kind"]: doc for path in sorted(K8S.glob("*.yaml")) for doc in load_all(yaml, path)}
+    found = {doc["kind"]: doc for path in sorted(K8S.glob("*.yaml")) for doc in load_all(path)}
     assert set(found) == {"ConfigMap", "Deployment", "Service", "Ingress"}
     return found
 
 
-def test_kubernetes_manifests(yaml: Any) -> None:
+def test_kubernetes_manifests() -> None:
     docs = manifests(yaml)
     config = docs["ConfigMap"]["data"]
     settings = settings_from(config)
