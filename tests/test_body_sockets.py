@@ -327,7 +327,10 @@ async def test_gzip_bodies_are_charged_as_they_decode(server: str) -> None:
     wire = gzip.compress(bytes(15 * MiB), mtime=0)
     assert len(wire) < 20 * KiB
     pieces = [wire[offset : offset + 1024] for offset in range(0, len(wire), 1024)]
-    app = make_app(max_body_bytes=16 * MiB, max_inflight_bytes=budget, max_inflight=10, admission_timeout=60)
+    # Generous timeouts: under load a round of pieces over ten connections can take seconds.
+    app = make_app(
+        max_body_bytes=16 * MiB, max_inflight_bytes=budget, max_inflight=10, admission_timeout=60, body_idle_timeout=60
+    )
     with serving(app, server) as served, traced() as peak:
         results: list[tuple[int, dict[str, str], bytes]] = []
         async with contextlib.AsyncExitStack() as stack:
