@@ -78,6 +78,7 @@ from ._bookkeeping import Outcome, SessionBook, SessionEntry, StoreState, sessio
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.asyncio.client import Pipeline
     from redis.commands.core import AsyncScript
 
 __all__ = ["RedisSessionBook", "make_session_book"]
@@ -89,6 +90,9 @@ KEY_PREFIX: Final = "asgi_lifetime"
 
 # Operations waiting for the task; past this, one is settled locally (Redis is not keeping up).
 _QUEUE_SIZE: Final = 1024
+# Operations written in one round trip (a pipeline), at most. One round trip per operation let the queue
+# fall seconds behind under load, and a record that late arrives after its session's next one.
+_BATCH: Final = 256
 # While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
 _RETRY_INTERVAL: Final = 1.0
 
@@ -438,33 +442,47 @@ class RedisSessionBook(SessionBook):
 
     async def _write(self, conn: _Conn, receive: MemoryObjectReceiveStream[_Op]) -> None:
         async for op in receive:
+            ops = [op]  # and whatever else is queued: one round trip for all (the order is kept)
+            while len(ops) < _BATCH:
+                try:
+                    ops.append(receive.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
             # An operation taken is finished even when the lifespan ends meanwhile: each of its calls is
             # bounded, and a record cut in half would be lost (or its on_change claimed and never run).
             with anyio.CancelScope(shield=True):
-                await self._apply(conn, op)
+                await self._apply(conn, ops)
 
-    async def _apply(self, conn: _Conn, op: _Op) -> None:
+    async def _apply(self, conn: _Conn, ops: list[_Op]) -> None:
         if self._state != "up":
-            self._settle_here(op)
+            for op in ops:
+                self._settle_here(op)
             return
         try:
             with anyio.fail_after(self._timeout):
-                changed, synced = await self._send_op(conn, op)
-        except Exception as exc:  # whatever it is, Redis did not take the operation: settle it here
+                async with conn.client.pipeline(transaction=False) as pipe:
+                    for op in ops:
+                        await self._queue_op(conn, pipe, op)
+                    answers: list[Any] = await pipe.execute()
+        except Exception as exc:  # whatever it is, Redis did not take the operations: settle them here
             self._fall_back(_why(exc, self._timeout))
-            self._settle_here(op)
+            for op in ops:
+                self._settle_here(op)
             return
-        if isinstance(op, _Record):
-            await self._decided(conn, op, changed, synced)
+        for op, answer in zip(ops, answers, strict=True):
+            if isinstance(op, _Record):
+                changed, synced = answer
+                await self._decided(conn, op, bool(changed), _text(synced) or None)
 
-    async def _send_op(self, conn: _Conn, op: _Op) -> tuple[bool, str | None]:
+    async def _queue_op(self, conn: _Conn, pipe: Pipeline, op: _Op) -> None:
+        """Add ``op`` to ``pipe`` (nothing is sent yet). A record's answer: {changed, synced hash or ''}."""
         if isinstance(op, _Take):
             keys = [leases_key(op.key), entry_key(op.key)]
-            await conn.renew(keys=keys, args=[self._lease_ms, self._ttl_ms, 1, op.member])
-            return False, None
+            await conn.renew(keys=keys, args=[self._lease_ms, self._ttl_ms, 1, op.member], client=pipe)
+            return
         if isinstance(op, _Give):
-            await conn.client.zrem(leases_key(op.key), op.member)
-            return False, None
+            pipe.zrem(leases_key(op.key), op.member)
+            return
         fp, outcome = op.outcome.fingerprint, op.outcome
         args: list[str | int] = [
             fp.wire_hash,
@@ -477,8 +495,7 @@ class RedisSessionBook(SessionBook):
             self._ttl_ms,
             repr(op.started),
         ]
-        changed, synced = await conn.record(keys=[entry_key(session_key(op.session_id))], args=args)
-        return bool(changed), _text(synced) or None
+        await conn.record(keys=[entry_key(session_key(op.session_id))], args=args, client=pipe)
 
     async def _decided(self, conn: _Conn, op: _Record, changed: bool, synced: str | None) -> None:
         """Redis took the record: run ``on_change`` if this process's record changed the synced hash.
@@ -583,7 +600,7 @@ class RedisSessionBook(SessionBook):
                     op = receive.receive_nowait()
                 except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                     break
-                await self._apply(conn, op)
+                await self._apply(conn, [op])
             if self._state == "up" and self._leases:
                 async with conn.client.pipeline(transaction=False) as pipe:
                     for member, key in self._leases.items():
