@@ -13,7 +13,11 @@ sessions in Redis, and keeps the in-memory book underneath as it always was:
   server-side script: of several replicas recording the same change, exactly one is told it
   changed, and only that one runs ``on_change``. If ``on_change`` raises, the claim is undone, so
   the session's next record (on any replica) runs it again, as the in-memory book does. A
-  replica that dies between the claim and the end of ``on_change`` loses that run.
+  replica that dies between the claim and the end of ``on_change`` loses that run. Records are
+  ordered by their request's admission (wall clock), not by when they reach Redis: a record that
+  arrives after a newer one of its session is counted but claims nothing and moves no hash back
+  (its change, if it was one, is already superseded). Replicas on different hosts need clocks
+  closer than a session's requests are apart.
 - **Pins are leases.** A pin is also a member of the session's lease set in Redis, taken at
   admission, renewed every third of ``SESSION_LEASE`` while the response streams, removed at
   settle. A replica that dies stops renewing: its pins are gone within ``SESSION_LEASE``. While
@@ -74,6 +78,7 @@ from ._bookkeeping import Outcome, SessionBook, SessionEntry, StoreState, sessio
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.asyncio.client import Pipeline
     from redis.commands.core import AsyncScript
 
 __all__ = ["RedisSessionBook", "make_session_book"]
@@ -85,23 +90,42 @@ KEY_PREFIX: Final = "asgi_lifetime"
 
 # Operations waiting for the task; past this, one is settled locally (Redis is not keeping up).
 _QUEUE_SIZE: Final = 1024
+# Operations written in one round trip (a pipeline), at most. One round trip per operation let the queue
+# fall seconds behind under load, and a record that late arrives after its session's next one.
+_BATCH: Final = 256
 # While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
 _RETRY_INTERVAL: Final = 1.0
 
-# KEYS[1] the session's entry. ARGV: wire hash, verdict (0/1), size, bytes out, status, outcome,
-# wall-clock time, TTL in ms. Returns 1 when this call changed the synced hash (the caller runs
-# on_change), 0 when it was already that hash. One script: the compare-and-update is atomic.
+# KEYS[1] the session's entry. ARGV: wire hash, verdict (0/1), size, bytes out, status, outcome, wall-clock
+# end, TTL in ms, wall-clock start (admission). Returns {1 if this call changed the synced hash (the caller
+# runs on_change) else 0, the synced hash or ''}. One script: the compare-and-update is atomic.
+# Records reach Redis through per-process queues, so one can arrive after a newer record of its session
+# (sent by another worker or replica): the order that counts is the requests' admission, not the arrival.
+# A record older than the newest one taken (an earlier 'started') is counted (requests, bytes) but
+# describes nothing current: it neither claims a change nor moves the hashes back. Admission, not the
+# end: a response ends (and is recorded) after its client has it, so the client's next request, on
+# another process, can end first; it cannot start first.
 _RECORD: Final = """
-redis.call('HSET', KEYS[1], 'wire_hash', ARGV[1], 'text_comparable', ARGV[2], 'size', ARGV[3],
-           'last_status', ARGV[5], 'last_outcome', ARGV[6], 'last_seen', ARGV[7])
+local started = tonumber(ARGV[9])
+local newest = redis.call('HGET', KEYS[1], 'started')
 redis.call('HINCRBY', KEYS[1], 'requests', 1)
 redis.call('HINCRBY', KEYS[1], 'bytes_out', ARGV[4])
+local seen = redis.call('HGET', KEYS[1], 'last_seen')
+if not seen or tonumber(ARGV[7]) > tonumber(seen) then
+  redis.call('HSET', KEYS[1], 'last_seen', ARGV[7])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[8])
-if redis.call('HGET', KEYS[1], 'synced_hash') == ARGV[1] then
-  return 0
+local synced = redis.call('HGET', KEYS[1], 'synced_hash')
+if newest and started < tonumber(newest) then
+  return {0, synced or ''}
+end
+redis.call('HSET', KEYS[1], 'wire_hash', ARGV[1], 'text_comparable', ARGV[2], 'size', ARGV[3],
+           'last_status', ARGV[5], 'last_outcome', ARGV[6], 'started', ARGV[9])
+if synced == ARGV[1] then
+  return {0, synced}
 end
 redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1])
-return 1
+return {1, ARGV[1]}
 """
 
 # on_change failed: give the claim back, unless another record changed it since.
@@ -170,8 +194,11 @@ class _Give:
 class _Record:
     session_id: str  # stays in this process (on_change gets it); Redis gets session_key's digest
     outcome: Outcome
+    started: float
+    """Wall-clock admission of the request: the fleet orders a session's records by it (the monotonic
+    clocks of two hosts do not compare)."""
     seen: float
-    """Wall-clock end of the response: the monotonic clocks of two hosts do not compare."""
+    """Wall-clock end of the response."""
 
 
 _Op = _Take | _Give | _Record
@@ -347,8 +374,8 @@ class RedisSessionBook(SessionBook):
         if session_id is None:
             return
         entry = self._update(session_id, outcome)
-        seen = time.time() - (time.monotonic() - outcome.ended)
-        if not self._submit(_Record(session_id, outcome, seen)):
+        offset = time.time() - time.monotonic()  # monotonic -> wall clock, for the fleet's comparisons
+        if not self._submit(_Record(session_id, outcome, outcome.started + offset, outcome.ended + offset)):
             self.local_records += 1
             self._sync(session_id, outcome.fingerprint, entry)
 
@@ -415,33 +442,47 @@ class RedisSessionBook(SessionBook):
 
     async def _write(self, conn: _Conn, receive: MemoryObjectReceiveStream[_Op]) -> None:
         async for op in receive:
+            ops = [op]  # and whatever else is queued: one round trip for all (the order is kept)
+            while len(ops) < _BATCH:
+                try:
+                    ops.append(receive.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
             # An operation taken is finished even when the lifespan ends meanwhile: each of its calls is
             # bounded, and a record cut in half would be lost (or its on_change claimed and never run).
             with anyio.CancelScope(shield=True):
-                await self._apply(conn, op)
+                await self._apply(conn, ops)
 
-    async def _apply(self, conn: _Conn, op: _Op) -> None:
+    async def _apply(self, conn: _Conn, ops: list[_Op]) -> None:
         if self._state != "up":
-            self._settle_here(op)
+            for op in ops:
+                self._settle_here(op)
             return
         try:
             with anyio.fail_after(self._timeout):
-                changed = await self._send_op(conn, op)
-        except Exception as exc:  # whatever it is, Redis did not take the operation: settle it here
+                async with conn.client.pipeline(transaction=False) as pipe:
+                    for op in ops:
+                        await self._queue_op(conn, pipe, op)
+                    answers: list[Any] = await pipe.execute()
+        except Exception as exc:  # whatever it is, Redis did not take the operations: settle them here
             self._fall_back(_why(exc, self._timeout))
-            self._settle_here(op)
+            for op in ops:
+                self._settle_here(op)
             return
-        if isinstance(op, _Record):
-            await self._decided(conn, op, changed)
+        for op, answer in zip(ops, answers, strict=True):
+            if isinstance(op, _Record):
+                changed, synced = answer
+                await self._decided(conn, op, bool(changed), _text(synced) or None)
 
-    async def _send_op(self, conn: _Conn, op: _Op) -> bool:
+    async def _queue_op(self, conn: _Conn, pipe: Pipeline, op: _Op) -> None:
+        """Add ``op`` to ``pipe`` (nothing is sent yet). A record's answer: {changed, synced hash or ''}."""
         if isinstance(op, _Take):
             keys = [leases_key(op.key), entry_key(op.key)]
-            await conn.renew(keys=keys, args=[self._lease_ms, self._ttl_ms, 1, op.member])
-            return False
+            await conn.renew(keys=keys, args=[self._lease_ms, self._ttl_ms, 1, op.member], client=pipe)
+            return
         if isinstance(op, _Give):
-            await conn.client.zrem(leases_key(op.key), op.member)
-            return False
+            pipe.zrem(leases_key(op.key), op.member)
+            return
         fp, outcome = op.outcome.fingerprint, op.outcome
         args: list[str | int] = [
             fp.wire_hash,
@@ -452,11 +493,15 @@ class RedisSessionBook(SessionBook):
             outcome.outcome,
             repr(op.seen),
             self._ttl_ms,
+            repr(op.started),
         ]
-        return bool(await conn.record(keys=[entry_key(session_key(op.session_id))], args=args))
+        await conn.record(keys=[entry_key(session_key(op.session_id))], args=args, client=pipe)
 
-    async def _decided(self, conn: _Conn, op: _Record, changed: bool) -> None:
-        """Redis took the record: run ``on_change`` if this process's record changed the synced hash."""
+    async def _decided(self, conn: _Conn, op: _Record, changed: bool, synced: str | None) -> None:
+        """Redis took the record: run ``on_change`` if this process's record changed the synced hash.
+
+        ``synced``: the fleet's synced hash after the record; not this record's own hash when a newer
+        record of the session got to Redis first."""
         fp = op.outcome.fingerprint
         entry = self._entries.get(session_key(op.session_id))
         if changed:
@@ -468,8 +513,8 @@ class RedisSessionBook(SessionBook):
                     logger.exception("on_change failed; the session's next record runs it again")
                     await self._unclaim(conn, op)
                     return
-        if entry is not None:
-            entry.synced_hash = fp.wire_hash  # the fleet has run on_change for it (here or elsewhere)
+        if entry is not None and synced is not None:
+            entry.synced_hash = synced  # the fleet has run on_change for it (here or elsewhere)
 
     async def _unclaim(self, conn: _Conn, op: _Record) -> None:
         key = entry_key(session_key(op.session_id))
@@ -555,7 +600,7 @@ class RedisSessionBook(SessionBook):
                     op = receive.receive_nowait()
                 except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                     break
-                await self._apply(conn, op)
+                await self._apply(conn, [op])
             if self._state == "up" and self._leases:
                 async with conn.client.pipeline(transaction=False) as pipe:
                     for member, key in self._leases.items():

@@ -11,6 +11,7 @@ Several books in one process stand for several replicas: each has its own connec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -217,6 +218,68 @@ async def test_a_failed_on_change_is_run_again_by_the_next_record_anywhere(
     assert "on_change failed" in caplog.text
 
 
+# (wire hash tag, admission, end, book) in the order the records reach Redis; then the hashes on_change
+# must run for, in order. Admissions and ends are seconds after a common origin.
+_Delivery = list[tuple[str, float, float, str]]
+LATE_DELIVERIES: dict[str, tuple[_Delivery, list[str]]] = {
+    # Turns 1..5 and an identical re-send of turn 3 (at 4), alternating workers; the re-send's record
+    # reaches Redis after turn 4's. Turn 3 ends after turn 4 does (recorded late): the end is no order.
+    "a re-send arrives after the next turn": (
+        [("1", 1, 1.5, "a"), ("2", 2, 2.5, "b"), ("3", 3, 5.9, "a"), ("4", 5, 5.5, "a"), ("3", 4, 4.5, "b"),
+         ("5", 6, 6.5, "b")],
+        ["1", "2", "3", "4", "5"],
+    ),
+    "back to an earlier hash, in order": (
+        [("A", 1, 1.5, "a"), ("B", 2, 2.5, "b"), ("A", 3, 3.5, "a")],
+        ["A", "B", "A"],
+    ),
+    "back to an earlier hash, then an older record of the other": (
+        [("A", 1, 1.5, "a"), ("B", 2, 2.5, "b"), ("A", 3, 3.5, "a"), ("B", 2.5, 4, "b")],
+        ["A", "B", "A"],
+    ),
+    "an older record of the first hash after the change": (
+        [("A", 1, 1.5, "a"), ("B", 3, 3.5, "b"), ("A", 2, 2.5, "a")],
+        ["A", "B"],
+    ),
+    "an older record of the same hash": (
+        [("A", 1, 1.5, "a"), ("B", 3, 3.5, "b"), ("B", 2, 2.5, "a"), ("C", 4, 4.5, "a")],
+        ["A", "B", "C"],
+    ),
+}  # fmt: skip
+
+
+@ASYNCIO
+@pytest.mark.parametrize("case", list(LATE_DELIVERIES))
+async def test_a_record_reaching_redis_after_a_newer_one_claims_no_change(server: RedisServer, case: str) -> None:
+    """Records reach Redis through per-process queues: the order is the requests' admission, not the arrival.
+
+    A late, older record counts as a request but neither runs ``on_change`` nor moves the synced hash back;
+    a real change back to an earlier hash still runs it.
+    """
+    deliveries, expected = LATE_DELIVERIES[case]
+    changes = Changes()
+    books = {name: book(server.url, changes.of(name)) for name in ("a", "b")}
+    origin = time.monotonic() - 100
+    known: dict[str, str] = {}  # book -> the fleet's synced hash as of that book's last record
+    async with started(*books.values()):
+        for count, (tag, admitted, ended, name) in enumerate(deliveries, start=1):
+            record = dataclasses.replace(outcome("s", tag), started=origin + admitted, ended=origin + ended)
+            books[name].record(record)
+            # This record is in Redis before the next is sent: the arrival order is the test's.
+            await until(functools.partial(_requests_are, books["a"], "s", count))
+            newest = max(deliveries[:count], key=lambda d: d[1])[0]
+            entry = await books["a"].lookup("s")
+            assert entry is not None
+            assert (entry.wire_hash, entry.synced_hash) == (fp(newest).wire_hash, fp(newest).wire_hash), (count, tag)
+            known[name] = fp(newest).wire_hash
+        await settled(*books.values())
+        for name, synced in known.items():  # a replica's own view follows the fleet, not its own late record
+            local = books[name].get("s")
+            assert local is not None and local.synced_hash == synced, name
+    assert [h for _, _, h in changes.calls] == [fp(tag).wire_hash for tag in expected]
+    assert sum(each.local_records for each in books.values()) == 0
+
+
 async def _unclaimed(observer: RedisSessionBook, session_id: str) -> bool:
     entry = await observer.lookup(session_id)
     return entry is not None and entry.synced_hash is None
@@ -246,7 +309,7 @@ async def test_redis_keeps_the_scalars_under_a_digest_with_a_ttl(server: RedisSe
         assert abs(entry.last_seen - time.time()) < 60  # wall-clock time: comparable across hosts
         fields = {text(k) for k in await client.hkeys(entry_key(session_key(session_id)))}
         assert fields == {"wire_hash", "text_comparable", "size", "requests", "bytes_out", "last_status",
-                          "last_outcome", "last_seen", "synced_hash"}  # fmt: skip
+                          "last_outcome", "last_seen", "synced_hash", "started"}  # fmt: skip
         assert 0 < await client.pttl(entry_key(session_key(session_id))) <= 600_000
         assert await observer.live_leases(session_id) == 1
         release()
