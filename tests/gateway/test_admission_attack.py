@@ -3,10 +3,11 @@
 - The Anthropic SDK's path (``/v1/messages`` with ``anthropic-version``): a request shed at a
   standing queue is a 503 with ``Retry-After`` and Anthropic's error shape (``overloaded_error``),
   which the SDK retries after the advertised delay. Held.
-- Clients that send their headers and hang up while their requests wait for a slot: were that
-  unnoticed, each dead request would keep its place (and ``queued_requests``) for up to
-  ``ADMISSION_TIMEOUT``, and a flood of such cheap connections would keep the queue standing.
-  Held: they leave the queue long before the timeout, and nothing is held afterwards.
+- Clients that send their headers and hang up while their requests wait for a slot: nothing
+  notices until the request is admitted (or times out), so each dead request keeps its place
+  (and ``queued_requests``) for up to ``ADMISSION_TIMEOUT``; cheap connections opened and closed
+  keep the queue long (and standing, so live arrivals are shed). Open: xfail below. Once the slot
+  frees, the dead requests are admitted, see ``http.disconnect`` and leave: nothing leaks.
 """
 
 from __future__ import annotations
@@ -62,9 +63,17 @@ async def test_a_shed_anthropic_request_gets_retry_after_and_the_anthropic_shape
         await assert_idle(stack.app, stack.url)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="admission waits without watching the client: LifetimeMiddleware._admit_and_read awaits "
+    "admission.acquire() before its first receive(), so a request whose client hung up while queued keeps its "
+    "place (and queued_requests) until it is admitted or ADMISSION_TIMEOUT passes",
+)
 async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
     release = threading.Event()
-    with running(upstream=holding_upstream(release), max_inflight=1, admission_timeout=60) as stack:
+    # The held request must keep its slot for the whole test: no timeout of FAST may end it.
+    holding = {"headers_timeout": 60, "stall_timeout": 60, "retry_deadline": 60, "max_attempts": 1}
+    with running(upstream=holding_upstream(release), max_inflight=1, admission_timeout=60, **holding) as stack:
         counters = stack.app.state.lifetime.counters
         try:
             async with httpx.AsyncClient(base_url=stack.url, timeout=90) as client:
@@ -81,6 +90,7 @@ async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
                         # the client is gone: its request should leave the queue well before ADMISSION_TIMEOUT
                     try:
                         await eventually(lambda: counters.queued_requests == 0, seconds=10)
+                        assert counters.inflight_requests == 1  # the held request still holds its slot
                     finally:
                         release.set()
         finally:
