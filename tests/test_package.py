@@ -178,3 +178,49 @@ raise SystemExit(main(["settings"]))
     )
     assert result.returncode == 0, result.stderr
     assert "MAX_BODY_BYTES" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "blocked", "extra"),
+    [
+        ("asgi_lifetime.gateway", EXTRAS, "gateway"),
+        ("asgi_lifetime.gateway", ("prometheus_client",), "gateway"),
+        ("asgi_lifetime.gateway", ("httpcore", "h11"), "gateway"),
+        ("asgi_lifetime.testing", EXTRAS, "cli"),
+    ],
+)
+def test_importing_a_part_without_its_extra_says_what_to_install(
+    module: str, blocked: tuple[str, ...], extra: str
+) -> None:
+    result = run(
+        BLOCK.replace(repr(EXTRAS), repr(blocked))
+        + f"""
+try:
+    import {module}
+except ModuleNotFoundError as exc:
+    print(exc.name)
+    print(exc)
+    print(exc.__suppress_context__)
+"""
+    )
+    assert result.returncode == 0, result.stderr
+    name, message, suppressed = result.stdout.strip().splitlines()
+    assert name in blocked
+    assert message.startswith(f"{module} needs {name!r}")
+    assert message.endswith(f"pip install 'asgi-lifetime[{extra}]'")
+    assert suppressed == "True"  # the deep import chain is not shown
+
+
+def test_a_missing_module_outside_the_extras_is_not_blamed_on_them() -> None:
+    # Only the gateway extra's own modules get the install hint: any other missing module is raised as it is.
+    result = run(
+        BLOCK.replace(repr(EXTRAS), repr(("blake3",)))
+        + """
+try:
+    import asgi_lifetime.gateway
+except ModuleNotFoundError as exc:
+    print(exc.name, "pip install" in str(exc))
+"""
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["blake3", "False"]

@@ -14,15 +14,26 @@ Redis, ``SESSION_STORE=redis://...``, the ``redis`` extra).
 """
 
 from .._publish import publish as _publish
-from ._access_log import AccessLog
-from ._app import create_app
-from ._auth import GatewayAuth
-from ._bookkeeping import Bookkeeper, Outcome, SessionBook, SessionEntry
-from ._metrics import GatewayMetrics
-from ._prepare import Draft, Prepared, Preparer
-from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
-from ._session_store import RedisSessionBook
-from ._upstream import AttemptEvent, UpstreamClient
+
+try:
+    from ._access_log import AccessLog
+    from ._app import create_app
+    from ._auth import GatewayAuth
+    from ._bookkeeping import Bookkeeper, Outcome, SessionBook, SessionEntry
+    from ._metrics import GatewayMetrics
+    from ._prepare import Draft, Prepared, Preparer
+    from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
+    from ._session_store import RedisSessionBook
+    from ._upstream import AttemptEvent, UpstreamClient
+except ModuleNotFoundError as _exc:
+    # A core-only install: name the extra rather than the module deep in the import chain that missed it.
+    _missing = (_exc.name or "").partition(".")[0]
+    if _missing not in {"httpx", "httpcore", "h11", "prometheus_client"}:  # the gateway extra's modules
+        raise
+    raise ModuleNotFoundError(
+        f"asgi_lifetime.gateway needs {_missing!r}, which is not installed: pip install 'asgi-lifetime[gateway]'",
+        name=_missing,
+    ) from None
 
 __all__ = [
     "AccessLog",
