@@ -30,7 +30,7 @@ from .._fingerprint import Fingerprint
 from .._resources import RequestResources
 from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
-from ._spill import SpilledBody
+from ._spill import SpilledBody  # at run time: typing.get_type_hints resolves Prepared.spill_to's hints
 
 __all__ = ["Draft", "Prepared", "Preparer", "prepare"]
 

@@ -107,7 +107,9 @@ async def read_back(spilled: SpilledBody) -> bytes:
 # --- spill() and SpillFile on their own --------------------------------------------------------------------
 
 
-async def test_spill_moves_the_body_to_an_unnamed_file_and_reads_it_back(tmp_path: Path) -> None:
+async def test_spill_moves_the_body_to_an_unnamed_file_and_reads_it_back(
+    tmp_path: Path, opened: list[SpillFile]
+) -> None:
     counters = Counters()
     body = os.urandom(SLICE * 2 + 12345)
     prepared = settled(body)
@@ -119,6 +121,8 @@ async def test_spill_moves_the_body_to_an_unnamed_file_and_reads_it_back(tmp_pat
         assert moved and prepared.body is None and prepared.spilled is not None
         assert prepared.has_body and prepared.body_size == len(body)
         assert os.listdir(tmp_path) == []  # the file never has a name
+        status = os.fstat(opened[0]._file.fileno())
+        assert status.st_nlink == 0 and status.st_mode & 0o777 == 0o600  # no link to it; the process's own
         assert (counters.retained_input_bytes, counters.retained_disk_bytes) == (0, len(body))
         assert (counters.spilled, counters.spill_failures) == (1, 0)
         assert await read_back(prepared.spilled) == body
