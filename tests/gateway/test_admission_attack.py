@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import anyio
 import httpx
@@ -72,7 +73,7 @@ async def test_a_shed_anthropic_request_gets_retry_after_and_the_anthropic_shape
 async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
     release = threading.Event()
     # The held request must keep its slot for the whole test: no timeout of FAST may end it.
-    holding = {"headers_timeout": 60, "stall_timeout": 60, "retry_deadline": 60, "max_attempts": 1}
+    holding: dict[str, Any] = {"headers_timeout": 60, "stall_timeout": 60, "retry_deadline": 60, "max_attempts": 1}
     with running(upstream=holding_upstream(release), max_inflight=1, admission_timeout=60, **holding) as stack:
         counters = stack.app.state.lifetime.counters
         try:
@@ -86,7 +87,7 @@ async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
                                 b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                                 b"content-length: 100\r\n\r\n"
                             )
-                            await eventually(lambda n=n: counters.queued_requests == n + 1, seconds=WAIT)
+                            await eventually(lambda: counters.queued_requests == n + 1, seconds=WAIT)  # noqa: B023 - awaited here
                         # the client is gone: its request should leave the queue well before ADMISSION_TIMEOUT
                     try:
                         await eventually(lambda: counters.queued_requests == 0, seconds=10)

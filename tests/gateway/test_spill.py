@@ -457,7 +457,9 @@ async def until(condition: Callable[[], bool]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def in_process(upstream: Recording, tmp_path: Path, *, changed: bool = False, **changes: Any) -> Any:
+async def in_process(
+    upstream: httpx.AsyncBaseTransport, tmp_path: Path, *, changed: bool = False, **changes: Any
+) -> Any:
     settings = LifetimeSettings(
         upstream_url=("http://upstream.test",),
         retain_dir=str(tmp_path),
