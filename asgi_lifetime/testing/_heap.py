@@ -23,7 +23,6 @@ else runs on the event loop meanwhile: the search is synchronous.
 
 from __future__ import annotations
 
-import array
 import gc
 import io
 import re
@@ -31,8 +30,9 @@ import sys
 import threading
 import types
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 __all__ = ["Found", "Group", "find_holders", "group"]
 
@@ -44,6 +44,9 @@ _KIND = {
 }
 # Untracked objects that hold no other object: skipped without a call.
 _ATOMS = frozenset({int, float, bool, complex, type(None), type(Ellipsis), type(NotImplemented), types.CodeType})
+# Containers, known not to be buffers (any other type is asked once whether it is one).
+_HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: the type's objects may refer to others
+_CONTAINERS = frozenset({dict, list, tuple, set, frozenset, type, types.FunctionType, types.CellType})
 _MAX_LEVELS = 32  # referrer levels climbed from a holder
 _MAX_FRONTIER = 256  # objects whose referrers one scan looks for (a scan costs heap size x frontier)
 _MAX_HOLDERS = 64  # distinct holders named; the references of the others are counted
@@ -95,9 +98,9 @@ class _Search:
     def __init__(self, needle: str, *, own: Iterable[object], own_code: frozenset[types.CodeType], app: object) -> None:
         self.needle = needle
         self.needle_bytes = needle.encode("utf-8")
+        self.readers: dict[type, Callable[[object], bool | None]] = {}
         self.app = app
         self.objects = gc.get_objects()
-        self.snapshot = {id(obj) for obj in self.objects}
         stack = list(_current_stack())
         self.skip = {id(obj) for obj in own} | {id(frame) for frame in stack}
         on_stack = {id(frame) for frame in stack}
@@ -126,25 +129,36 @@ class _Search:
     # --- 1. find -------------------------------------------------------------------------------
 
     def scan(self) -> list[_Hit]:
+        # The hot loop (every referent of every tracked object): str and bytes are tested inline;
+        # a tracked referent is skipped, as it is searched in its turn as a holder.
         hits: list[_Hit] = []
-        get_referents = gc.get_referents
-        holds = self.holds
-        skip = self.skip
+        needle, needle_bytes, holds, skip = self.needle, self.needle_bytes, self.holds, self.skip
+        get_referents, is_tracked, atoms, readers = gc.get_referents, gc.is_tracked, _ATOMS, self.readers
         for holder in self.objects:
             if id(holder) in skip:
                 continue
+            if holds(holder):  # a tracked object with content: a BytesIO, a memoryview...
+                hits.append(_Hit(holder, (), holder))
             for ref in get_referents(holder):
-                found = holds(ref)
-                if found:
-                    hits.append(_Hit(holder, (), ref))
-                elif found is None and not gc.is_tracked(ref):
-                    self.descend(holder, ref, hits)
-        for _, frame in self.threads:
+                kind = type(ref)
+                if kind is str:
+                    if needle in ref and ref is not needle:
+                        hits.append(_Hit(holder, (), ref))
+                elif kind is bytes:
+                    if needle_bytes in ref and ref is not needle_bytes:
+                        hits.append(_Hit(holder, (), ref))
+                elif kind not in atoms and not is_tracked(ref):
+                    found = (readers.get(kind) or holds)(ref)
+                    if found:
+                        hits.append(_Hit(holder, (), ref))
+                    elif found is None:
+                        self.descend(holder, ref, hits)
+        for _, frame in self.threads:  # running frames: their locals are no referents
             for value in _locals(frame).values():
                 found = holds(value)
                 if found:
                     hits.append(_Hit(value, (), value))
-                elif found is None and not gc.is_tracked(value):
+                elif found is None and not is_tracked(value):
                     self.descend(value, value, hits)
         return hits
 
@@ -154,29 +168,45 @@ class _Search:
         while stack:
             obj, via = stack.pop()
             for ref in gc.get_referents(obj):
+                if gc.is_tracked(ref):
+                    continue  # searched as a holder
                 found = self.holds(ref)
                 if found:
                     hits.append(_Hit(holder, via, ref))
-                elif found is None and not gc.is_tracked(ref):
+                elif found is None:
                     stack.append((ref, (*via, ref)))
 
     def holds(self, obj: object) -> bool | None:
         """Whether ``obj`` has the needle in its content; None for a container (look inside)."""
-        kind = type(obj)
+        kind = type(obj)  # not isinstance(): a proxy's __class__ may run code, or raise
         if kind in _ATOMS:
             return False
-        if isinstance(obj, str):
-            return self.needle in obj and obj is not self.needle
-        if isinstance(obj, (bytes, bytearray)):
-            return self.needle_bytes in obj and obj is not self.needle_bytes
-        if isinstance(obj, memoryview):
+        read = self.readers.get(kind)
+        if read is None:
+            read = self.readers[kind] = self.reader(kind, obj)
+        return read(obj)
+
+    def reader(self, kind: type, example: object) -> Callable[[object], bool | None]:
+        """How to read the content of objects of type ``kind`` (decided once per type)."""
+        needle, needle_bytes = self.needle, self.needle_bytes
+        if issubclass(kind, str):
+            return lambda obj: str.__contains__(cast(str, obj), needle) and obj is not needle
+        if issubclass(kind, bytes):
+            return lambda obj: bytes.__contains__(cast(bytes, obj), needle_bytes) and obj is not needle_bytes
+        if issubclass(kind, bytearray):
+            return lambda obj: bytearray.__contains__(cast(bytearray, obj), needle_bytes)
+        if issubclass(kind, memoryview):
             # A view of bytes is found through the bytes it holds (its managed buffer's referent).
-            return not isinstance(obj.obj, (bytes, bytearray)) and self.needle_bytes in _content(obj)
-        if isinstance(obj, (array.array, io.BytesIO)):
-            return self.needle_bytes in _content(obj)
-        if isinstance(obj, io.StringIO):
-            return self.needle in _text(obj)
-        return None
+            return lambda obj: not _views_bytes(obj) and needle_bytes in _content(obj)
+        if issubclass(kind, io.BytesIO):
+            return lambda obj: needle_bytes in _content(obj)
+        if issubclass(kind, io.StringIO):
+            return lambda obj: needle in _text(obj)
+        if kind not in _CONTAINERS and _is_buffer(example):  # array, mmap, a numpy array, a ctypes buffer...
+            return lambda obj: needle_bytes in _content(obj)
+        if not kind.__flags__ & _HAVE_GC:
+            return _nothing  # no referents: an atom of another type
+        return _container
 
     # --- 2. name -------------------------------------------------------------------------------
 
@@ -203,6 +233,7 @@ class _Search:
     def climb(self, start: list[object]) -> tuple[dict[int, list[object]], set[int]]:
         """Referrers, level by level: ``ups[id(x)]`` lists what refers to x; ``own_ends`` the
         objects that the probe's objects or the current stack refer to."""
+        snapshot = {id(obj) for obj in self.objects}  # what existed when the search began
         ups: dict[int, list[object]] = {}
         own_ends = {id(obj) for obj in start if id(obj) in self.stack_locals}
         seen = {id(obj) for obj in start}
@@ -214,7 +245,7 @@ class _Search:
             targets = {id(obj) for obj in frontier}
             found: list[object] = []
             for ref in gc.get_referrers(*frontier):
-                if id(ref) not in self.snapshot:
+                if id(ref) not in snapshot:
                     continue  # made by the search (its lists, the frame objects it asked for)
                 referred = [id(obj) for obj in gc.get_referents(ref) if id(obj) in targets]
                 if id(ref) in self.skip:
@@ -443,13 +474,12 @@ def _qualified(obj: object) -> str:
 
 def _dict_of(obj: object) -> object:
     """The dict holding ``obj``'s attributes (a class's real dict, not its mappingproxy)."""
-    if isinstance(obj, type):
-        proxy = obj.__dict__
-        inner = gc.get_referents(proxy)
+    if issubclass(type(obj), type):
+        inner = gc.get_referents(type.__dict__["__dict__"].__get__(obj))
         return inner[0] if inner else None
     try:
         return object.__getattribute__(obj, "__dict__")
-    except (AttributeError, TypeError):
+    except Exception:  # none, or a descriptor that fails
         return None
 
 
@@ -462,41 +492,65 @@ def _attributes(obj: object) -> Iterator[tuple[str, object]]:
         for slot in (slots,) if isinstance(slots, str) else slots:
             try:
                 yield slot, object.__getattribute__(obj, slot)
-            except (AttributeError, TypeError):
+            except Exception:  # an empty slot, or a descriptor that fails
                 continue
     for name in ("__self__", "__func__", "__traceback__", "__cause__", "__context__", "tb_frame", "tb_next"):
         try:
             yield name, object.__getattribute__(obj, name)
-        except (AttributeError, TypeError):
+        except Exception:
             continue
 
 
-def _content(obj: memoryview | array.array[int] | io.BytesIO) -> bytes:
+def _container(obj: object) -> None:
+    return None
+
+
+def _nothing(obj: object) -> bool:
+    return False
+
+
+def _is_buffer(obj: object) -> bool:
     try:
+        with memoryview(obj):  # type: ignore[arg-type]
+            return True
+    except Exception:  # not a buffer (TypeError), or one that cannot be read now
+        return False
+
+
+def _views_bytes(view: object) -> bool:
+    try:
+        return type(view.obj) in (bytes, bytearray)  # type: ignore[attr-defined]
+    except ValueError:  # released
+        return True
+
+
+def _content(obj: object) -> bytes:
+    """The bytes of a buffer, a view or a BytesIO; empty when they cannot be read."""
+    try:
+        if type(obj) in (bytes, bytearray):
+            return obj  # type: ignore[return-value]
         if isinstance(obj, io.BytesIO):
             return obj.getvalue()
-        return obj.tobytes()
-    except (ValueError, TypeError):  # closed, released, or not contiguous
+        with memoryview(obj) as view:  # type: ignore[arg-type]
+            return view.tobytes()
+    except Exception:  # closed, released, or unreadable
         return b""
 
 
-def _text(obj: io.StringIO) -> str:
+def _text(obj: object) -> str:
     try:
-        return obj.getvalue()
+        return cast(io.StringIO, obj).getvalue()
     except ValueError:
         return ""
 
 
 def _size(obj: object) -> int:
-    if isinstance(obj, (str, bytes, bytearray)):
-        return len(obj)
-    if isinstance(obj, memoryview):
-        return obj.nbytes
-    if isinstance(obj, (array.array, io.BytesIO)):
-        return len(_content(obj))
-    if isinstance(obj, io.StringIO):
+    kind = type(obj)
+    if issubclass(kind, (str, bytes, bytearray)):
+        return len(obj)  # type: ignore[arg-type]
+    if issubclass(kind, io.StringIO):
         return len(_text(obj))
-    return 0
+    return len(_content(obj))
 
 
 def _kind(obj: object) -> str:
@@ -504,11 +558,14 @@ def _kind(obj: object) -> str:
 
 
 def _type_name(obj: object) -> str:
-    return type(obj).__qualname__
+    return type(obj).__name__
 
 
 def _short(key: object) -> str:
-    text = repr(key)
+    try:
+        text = repr(key)
+    except Exception:
+        text = f"<{_type_name(key)}>"
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -75,7 +75,12 @@ class Holder:
 
 @dataclass(frozen=True)
 class RetentionReport:
-    """What ``probe_retention`` saw. ``ok`` when nothing held the body during the stream."""
+    """What ``probe_retention`` saw. ``ok`` when nothing held the body during the stream.
+
+    ``holders``: each path to what held it, largest first; ``held_bytes`` and ``held_objects``:
+    the objects holding pieces of the body (each counted once, however many paths reach it).
+    ``str(report)`` is the fixture's failure message.
+    """
 
     method: str
     path: str
@@ -84,6 +89,7 @@ class RetentionReport:
     status: int
     holders: tuple[Holder, ...] = ()
     held_bytes: int = 0
+    held_objects: int = 0
     allowed: tuple[Holder, ...] = field(default=(), repr=False)
 
     @property
@@ -91,13 +97,13 @@ class RetentionReport:
         return not self.holders
 
     def __str__(self) -> str:
-        request = f"{self.method} {self.path} with a {_human(self.body_size)} body in {_human(self.chunk_size)} chunks"
+        request = f"{self.method} {self.path} (a {_human(self.body_size)} body in {_human(self.chunk_size)} chunks)"
         if self.ok:
             allowed = f" ({len(self.allowed)} allowed holder(s))" if self.allowed else ""
             return f"{request}: nothing held the body while the response ({self.status}) streamed{allowed}"
         lines = [
             f"{request}: the body was still reachable while the response ({self.status}) streamed, "
-            f"{_human(self.held_bytes)} of it held by:"
+            f"{_human(self.held_bytes)} in {self.held_objects} object(s), held by:"
         ]
         lines += [f"  - {holder}" for holder in self.holders]
         return "\n".join(lines)
@@ -240,6 +246,7 @@ async def probe_retention(
         status=exchange.status,
         holders=tuple(_holder(g) for g in kept),
         held_bytes=sum(held.values()),
+        held_objects=len(held),
         allowed=tuple(_holder(g) for g in groups if g not in kept),
     )
 

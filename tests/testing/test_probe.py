@@ -60,7 +60,7 @@ async def test_a_body_kept_in_a_local_is_named(anyio_backend: str) -> None:
     assert "local 'request' → Request._body" in found
     assert {holder.kind for holder in report.holders} == {"bytes"}
     assert report.held_bytes == report.body_size  # one bytes object, however many paths reach it
-    assert "4.0 MiB body" in str(report) and "held by:" in str(report)
+    assert "(a 4.0 MiB body in 64.0 KiB chunks)" in str(report) and "in 1 object(s), held by:" in str(report)
 
 
 async def test_a_kept_parse_is_named_down_to_its_strings(anyio_backend: str) -> None:
@@ -367,3 +367,33 @@ async def test_every_chunk_the_app_receives_carries_the_marker(anyio_backend: st
     assert sum(length for length, _ in chunks) == report.body_size >= size
     assert all(marked for _, marked in chunks)
     assert all(length >= 64 * KiB for length, _ in chunks[:-1])
+
+
+async def test_any_buffer_is_read_and_strange_objects_do_not_stop_the_search(anyio_backend: str) -> None:
+    import array
+    import weakref
+
+    class Strange:
+        """repr, __class__ and attribute access that raise: the search must not."""
+
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:
+            raise RuntimeError("no class")
+
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    class Target:
+        pass
+
+    target = Target()
+    kept: dict[Any, Any] = {}
+
+    async def chat(request: Request) -> Response:
+        kept[Strange()] = array.array("B", await apps.read(request))
+        kept["proxy"] = weakref.proxy(target)
+        return StreamingResponse(apps.answer("ok"))
+
+    report = await probe_retention(apps.starlette_app(chat))
+    assert paths(report) == f"function {__name__}.{chat.__qualname__} free variable 'kept'[<Strange>]"
+    assert report.holders[0].kind == "array"
