@@ -35,7 +35,19 @@ def test_submodule_apis() -> None:
     assert asgi_lifetime.gateway.__all__ == ["create_app"]
     assert set(asgi_lifetime.testing.__all__) == {
         "DemoStats",
+        "Holder",
+        "LifetimeProbe",
+        "ProbeError",
+        "RetentionReport",
+        "assert_idle",
+        "chat_completion_body",
         "create_demo_upstream",
+        "held",
         "parse_behaviour",
+        "probe_retention",
         "serve_in_thread",
+        "wait_idle",
     }
+    assert asgi_lifetime.testing.__all__ == sorted(asgi_lifetime.testing.__all__)
+    for name in asgi_lifetime.testing.__all__:  # reprs and the API reference show the public path
+        assert getattr(asgi_lifetime.testing, name).__module__ == "asgi_lifetime.testing", name
