@@ -48,8 +48,9 @@ _ATOMS = frozenset({int, float, bool, complex, type(None), type(Ellipsis), type(
 _HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: the type's objects may refer to others
 _CONTAINERS = frozenset({dict, list, tuple, set, frozenset, type, types.FunctionType, types.CellType})
 _MAX_LEVELS = 32  # referrer levels climbed from a holder
-_MAX_FRONTIER = 256  # objects whose referrers one scan looks for (a scan costs heap size x frontier)
-_MAX_HOLDERS = 64  # distinct holders named; the references of the others are counted
+_BATCH = 256  # objects whose referrers one scan of the heap looks for
+_MAX_FRONTIER = 8 * _BATCH  # objects climbed from, per level
+_MAX_HOLDERS = 4 * _BATCH  # distinct holders named; the others are counted by type
 _MAX_ROUTES = 4  # paths named to one holder
 _DETOUR = 2  # how much longer than the shortest another path to a holder may be
 _INDEX = re.compile(r"\[\d+\]")
@@ -99,6 +100,7 @@ class _Search:
         self.needle = needle
         self.needle_bytes = needle.encode("utf-8")
         self.readers: dict[type, Callable[[object], bool | None]] = {}
+        self.truncated = False  # the climb stopped before every path was followed
         self.app = app
         self.objects = gc.get_objects()
         stack = list(_current_stack())
@@ -139,6 +141,8 @@ class _Search:
                 continue
             if holds(holder):  # a tracked object with content: a BytesIO, a memoryview...
                 hits.append(_Hit(holder, (), holder))
+                if isinstance(holder, io.BytesIO):
+                    continue  # its buffer, a referent on Python 3.12+, is what was just found
             for ref in get_referents(holder):
                 kind = type(ref)
                 if kind is str:
@@ -221,9 +225,8 @@ class _Search:
         for hit in hits:
             size = _size(hit.leaf)
             if id(hit.holder) not in routes:
-                found.append(
-                    Found(f"one of more than {_MAX_HOLDERS} other holders", _kind(hit.leaf), id(hit.leaf), size)
-                )
+                label = f"{_type_name(hit.holder)} objects beyond the first {_MAX_HOLDERS} holders (not named)"
+                found.append(Found(label, _kind(hit.leaf), id(hit.leaf), size))
                 continue
             for label, nodes in routes[id(hit.holder)]:  # none: held only by the probe or the test
                 chain = [*nodes, *hit.via] + ([] if hit.leaf is hit.holder else [hit.leaf])
@@ -239,27 +242,31 @@ class _Search:
         seen = {id(obj) for obj in start}
         frontier = [obj for obj in start if self.root(obj) is None]
         for _ in range(_MAX_LEVELS):
-            if not frontier:
-                break
-            frontier, rest = frontier[:_MAX_FRONTIER], frontier[_MAX_FRONTIER:]
-            targets = {id(obj) for obj in frontier}
             found: list[object] = []
-            for ref in gc.get_referrers(*frontier):
-                if id(ref) not in snapshot:
-                    continue  # made by the search (its lists, the frame objects it asked for)
-                referred = [id(obj) for obj in gc.get_referents(ref) if id(obj) in targets]
-                if id(ref) in self.skip:
-                    own_ends.update(referred)
-                    continue
-                for key in referred:
-                    ups.setdefault(key, []).append(ref)
-                if id(ref) not in seen:
-                    seen.add(id(ref))
-                    if id(ref) in self.stack_locals:
-                        own_ends.add(id(ref))
-                    if self.root(ref) is None:
-                        found.append(ref)
-            frontier = rest + found
+            # One scan of the heap per batch: it costs heap size x batch size.
+            for batch in (frontier[i : i + _BATCH] for i in range(0, min(len(frontier), _MAX_FRONTIER), _BATCH)):
+                targets = {id(obj) for obj in batch}
+                for ref in gc.get_referrers(*batch):
+                    if id(ref) not in snapshot:
+                        continue  # made by the search (its lists, the frame objects it asked for)
+                    referred = [id(obj) for obj in gc.get_referents(ref) if id(obj) in targets]
+                    if id(ref) in self.skip:
+                        own_ends.update(referred)
+                        continue
+                    for key in referred:
+                        ups.setdefault(key, []).append(ref)
+                    if id(ref) not in seen:
+                        seen.add(id(ref))
+                        if id(ref) in self.stack_locals:
+                            own_ends.add(id(ref))
+                        if self.root(ref) is None:
+                            found.append(ref)
+            if not found:
+                break
+            self.truncated |= len(found) > _MAX_FRONTIER
+            frontier = found
+        else:
+            self.truncated = True
         return ups, own_ends
 
     def routes(
@@ -300,7 +307,8 @@ class _Search:
         if not best:
             if own_ends & parents.keys():
                 return []
-            return [(f"{_type_name(top)} object, held by nothing the gc can see,", _down(top, parents))]
+            unseen = "whose holders were not searched further" if self.truncated else "held by nothing the gc can see"
+            return [(f"{_type_name(top)} object {unseen},", _down(top, parents))]
         chosen = sorted(best.values(), key=lambda item: (item[1], item[0]))[:_MAX_ROUTES]
         return [(label, _down(root, parents)) for _, _, label, root in chosen]
 
@@ -359,11 +367,11 @@ class _Search:
             return " (a memoryview)"
         if type(parent).__name__ == "managedbuffer":
             return ""
+        if child is _dict_of(parent):
+            return ""  # the next step names the attribute
         for name, value in _attributes(parent):
             if value is child:
                 return f" → {_type_name(parent)}.{name}"
-        if child is _dict_of(parent):
-            return ""
         return f" → {_type_name(child)}"
 
     def dict_edge(self, parent: dict[object, object], child: object, grand: object) -> str:

@@ -135,6 +135,20 @@ def fastapi_app() -> FastAPI:
     return app
 
 
+def fastapi_keeps_the_model() -> FastAPI:
+    """A FastAPI endpoint whose stream closes over the validated model."""
+    app = FastAPI()
+
+    @app.post(PATH)
+    async def chat(chat: ChatRequest) -> StreamingResponse:
+        async def stream() -> AsyncIterator[bytes]:
+            yield f"data: {len(chat.messages)}\n\n".encode()
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
 def lifetime_app() -> Starlette:
     """(f) ``LifetimeMiddleware`` in front of an endpoint that uses the request lifetime API."""
 

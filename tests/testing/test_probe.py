@@ -125,6 +125,16 @@ async def test_fastapi_with_a_pydantic_model_keeps_the_body_and_its_parse(anyio_
     assert "ChatRequest" not in found  # the model, which the endpoint dropped, is not held
 
 
+async def test_a_kept_pydantic_model_is_named_through_its_fields(anyio_backend: str) -> None:
+    report = await probe_retention(apps.fastapi_keeps_the_model())
+    model = next(holder for holder in report.holders if "ChatRequest" in holder.path)
+    assert model.path == (
+        "async generator tests.testing.apps.fastapi_keeps_the_model.<locals>.chat.<locals>.stream "
+        "local 'chat' → ChatRequest.messages[*] → Message.content"
+    )
+    assert model.count > 200 and model.kind == "str"  # every message: more holders than one scan takes
+
+
 async def test_the_middleware_replay_waits_in_starlettes_disconnect_listener(anyio_backend: str) -> None:
     # With handoff_parsed=True an endpoint that only takes the parse leaves the replayed body for
     # the next receive(): Starlette's disconnect listener gets it and holds it in a local.
