@@ -19,6 +19,8 @@ with serve_in_thread(create_demo_upstream()) as upstream_url:
 ```
 """
 
+import typing
+
 from .._demo_upstream import DemoStats, create_demo_upstream, parse_behaviour
 from .._serve import serve_in_thread
 from ._idle import assert_idle, held, wait_idle
@@ -47,7 +49,16 @@ __all__ = [
     "wait_idle",
 ]
 
-# Reprs, tracebacks and the API reference show where users import these from.
-for _name in __all__:
-    globals()[_name].__module__ = __name__
-del _name
+
+def _publish() -> None:
+    """Reprs, tracebacks, pickles and the API reference show where users import these from. A
+    class's string annotations are resolved first: ``typing.get_type_hints`` looks them up in the
+    module that ``__module__`` names."""
+    for name in __all__:
+        obj = globals()[name]
+        if isinstance(obj, type) and "__annotations__" in vars(obj):
+            obj.__annotations__ = typing.get_type_hints(obj, include_extras=True)
+        obj.__module__ = __name__
+
+
+_publish()
