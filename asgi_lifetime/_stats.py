@@ -58,18 +58,21 @@ class LifetimeStats:
 
     @property
     def idle(self) -> bool:
-        """True when nothing is held or waiting: no request (admitted or queued), bytes, retained input
-        (in memory or on disk), resource or pin."""
-        return not (
-            self.inflight_requests
-            or self.inflight_bytes
-            or self.queued_requests
-            or self.retained_input_bytes
-            or self.live_resources
-            or self.pinned_sessions
-            or self.retained_disk_bytes
-        )
+        """True when nothing is held or waiting (every one of ``GAUGES`` is 0): no request (admitted or
+        queued), bytes, retained input (in memory or on disk), resource or pin."""
+        return not any(getattr(self, gauge) for gauge in GAUGES)
 
+
+GAUGES = (
+    "inflight_requests",
+    "inflight_bytes",
+    "queued_requests",
+    "retained_input_bytes",
+    "live_resources",
+    "pinned_sessions",
+    "retained_disk_bytes",
+)
+"""The gauges: what is held right now. Between requests each is 0."""
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(LifetimeStats))
 

@@ -72,9 +72,18 @@ GATEWAY = [
 ]
 TESTING = [
     "DemoStats",
+    "Holder",
+    "LifetimeProbe",
+    "ProbeError",
+    "RetentionReport",
+    "assert_idle",
+    "chat_completion_body",
     "create_demo_upstream",
+    "held",
     "parse_behaviour",
+    "probe_retention",
     "serve_in_thread",
+    "wait_idle",
 ]
 MODULES = [(asgi_lifetime, ROOT), (asgi_lifetime.gateway, GATEWAY), (asgi_lifetime.testing, TESTING)]
 
@@ -121,8 +130,8 @@ def test_type_hints_resolve_from_the_public_path(module: types.ModuleType, names
         value = getattr(module, name)
         if isinstance(value, type):
             typing.get_type_hints(value)
-            for method in vars(value).values():
-                if isinstance(method, types.FunctionType):
+            for attribute, method in vars(value).items():
+                if isinstance(method, types.FunctionType) and (attribute == "__init__" or attribute[0] != "_"):
                     typing.get_type_hints(method)
         elif isinstance(value, types.FunctionType):
             typing.get_type_hints(value)

@@ -24,6 +24,7 @@ from asgi_lifetime import LifetimeSettings
 from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._bookkeeping import Outcome
 from asgi_lifetime.gateway._prepare import Draft
+from asgi_lifetime.testing import assert_idle
 
 pytestmark = pytest.mark.anyio
 
@@ -65,12 +66,6 @@ async def gateway(
         await app.state.upstream.aclose()
 
 
-def assert_idle(app: Any) -> None:
-    stats = app.state.lifetime.stats()
-    assert stats.idle, stats
-    assert app.state.book.pinned == 0
-
-
 def assert_json_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
     assert response.status_code == status
     assert response.headers["content-type"] == "application/json"
@@ -100,7 +95,7 @@ async def test_path_and_query_are_appended_to_the_upstream_base_url() -> None:
     assert response.status_code == 200 and response.json() == OK
     url = route.calls[0].request.url
     assert str(url) == BASE + PATH + "?api-version=2024-10-01&x=a%20b"
-    assert_idle(app)
+    await assert_idle(app)
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/embeddings", "/v1/responses/resp_1/input_items"])
@@ -111,7 +106,7 @@ async def test_any_path_under_the_prefix_is_forwarded(path: str) -> None:
             response = await client.get(path)
     assert response.status_code == 200 and response.json() == {"data": []}
     assert route.calls[0].request.url.path == "/base" + path
-    assert_idle(app)
+    await assert_idle(app)
 
 
 @pytest.mark.parametrize(
@@ -137,7 +132,7 @@ async def test_path_is_forwarded_with_the_clients_encoding(path: str, mount: str
         await gateway_app.state.upstream.aclose()
     assert response.status_code == 200
     assert route.calls[0].request.url.raw_path == f"/base{path}?x=1".encode()
-    assert_idle(gateway_app)
+    await assert_idle(gateway_app)
 
 
 async def test_client_headers_pass_through_except_hop_by_hop_and_host() -> None:
@@ -170,7 +165,7 @@ async def test_client_headers_pass_through_except_hop_by_hop_and_host() -> None:
     for name in ("x-per-hop", "keep-alive", "te", "proxy-authorization", "upgrade"):
         assert name not in sent, name
     assert sent.get("connection", "keep-alive") == "keep-alive"  # httpx's own, not the client's list
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_unchanged_body_is_forwarded_byte_for_byte() -> None:
@@ -183,7 +178,7 @@ async def test_unchanged_body_is_forwarded_byte_for_byte() -> None:
     assert response.status_code == 200
     assert route.calls[0].request.content == body
     assert route.calls[0].request.headers["content-length"] == str(len(body))
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_preparer_changes_model_and_adds_headers() -> None:
@@ -209,7 +204,7 @@ async def test_preparer_changes_model_and_adds_headers() -> None:
     assert request.headers["content-length"] == str(len(request.content))
     assert request.headers["x-routed"] == "1"
     assert request.headers.get_list("x-custom") == ["from-preparer"]
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_preparer_that_replaces_the_body() -> None:
@@ -222,7 +217,7 @@ async def test_preparer_that_replaces_the_body() -> None:
             response = await client.post(PATH, json=CHAT)
     assert response.status_code == 200
     assert json.loads(route.calls[0].request.content) == {**CHAT, "model": "replaced", "stream": False}
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_non_json_content_type_is_forwarded_unchanged() -> None:
@@ -248,7 +243,7 @@ async def test_non_json_content_type_is_forwarded_unchanged() -> None:
     assert request.content == body
     assert request.headers["content-type"] == content_type
     assert seen == []  # preparers only see parsed JSON bodies
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_compressed_request_body_is_forwarded_decoded() -> None:
@@ -265,7 +260,7 @@ async def test_compressed_request_body_is_forwarded_decoded() -> None:
     assert "content-encoding" not in request.headers
     assert request.headers["content-length"] == str(len(body))
     assert recorder.outcomes[0].fingerprint.wire_hash == blake3(body).hexdigest()
-    assert_idle(app)
+    await assert_idle(app)
 
 
 @pytest.mark.parametrize(
@@ -289,7 +284,7 @@ async def test_malformed_json_is_a_400_and_nothing_is_forwarded(body: bytes, con
             response = await client.post(PATH, content=body, headers=headers)
     assert_json_error(response, 400, "invalid_json")
     assert not route.called
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_an_upstream_client_error_is_relayed_as_is() -> None:
@@ -303,7 +298,7 @@ async def test_an_upstream_client_error_is_relayed_as_is() -> None:
     assert response.status_code == 400
     assert response.content == error
     assert response.headers["content-length"] == str(len(error))
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_an_in_memory_transport_works() -> None:
@@ -313,7 +308,7 @@ async def test_an_in_memory_transport_works() -> None:
     async with gateway(transport=httpx.MockTransport(handler)) as (app, client):
         response = await client.post(PATH, json=CHAT)
     assert response.status_code == 200 and response.json() == {"echo": CHAT}
-    assert_idle(app)
+    await assert_idle(app)
 
 
 # --- upstream failures and retries ------------------------------------------------------------
@@ -328,7 +323,7 @@ async def test_upstream_unreachable_is_a_502() -> None:
     assert "3 attempts" in error["message"]
     assert route.call_count == 3
     assert app.state.lifetime.stats().retried == 2
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_upstream_timeout_is_a_504() -> None:
@@ -338,7 +333,7 @@ async def test_upstream_timeout_is_a_504() -> None:
             response = await client.post(PATH, json=CHAT)
     assert_json_error(response, 504, "upstream_timeout")
     assert route.call_count == 1  # sent whole: the upstream may be generating, so it is not sent again
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_upstream_headers_timeout_is_a_504() -> None:
@@ -356,7 +351,7 @@ async def test_upstream_headers_timeout_is_a_504() -> None:
             response = await client.post(PATH, json=CHAT)
     assert_json_error(response, 504, "upstream_timeout")
     assert len(started) == 1  # sent whole: the upstream may be generating, so it is not sent again
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_503_then_200_is_retried() -> None:
@@ -371,7 +366,7 @@ async def test_503_then_200_is_retried() -> None:
     assert stats["retried"] == 1
     sent = route.calls[0].request.content
     assert route.calls[1].request.content == sent and json.loads(sent) == CHAT
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_exhausted_retryable_status_is_relayed() -> None:
@@ -381,7 +376,7 @@ async def test_exhausted_retryable_status_is_relayed() -> None:
             response = await client.post(PATH, json=CHAT)
     assert response.status_code == 503 and response.json() == {"error": {"message": "busy"}}
     assert route.call_count == 3
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_context_overflow_is_refolded_end_to_end() -> None:
@@ -408,7 +403,7 @@ async def test_context_overflow_is_refolded_end_to_end() -> None:
     assert len(route.calls[1].request.content) <= limit
     assert refolded["messages"][0] == body["messages"][0]  # the system message is pinned
     assert refolded["messages"][-1] == body["messages"][-1]  # and the last user turn kept
-    assert_idle(app)
+    await assert_idle(app)
 
 
 # --- the gateway's own routes -----------------------------------------------------------------
@@ -445,7 +440,7 @@ async def test_stats_are_idle_after_requests_and_totals_are_right() -> None:
     assert stats["rejected"] == stats["aborted"] == stats["too_large"] == stats["refolded"] == 0
     [upstream] = stats["upstreams"]
     assert (upstream["url"], upstream["inflight"], upstream["requests"]) == (BASE, 0, 5)
-    assert_idle(app)
+    await assert_idle(app)
 
 
 @pytest.mark.parametrize(
@@ -464,7 +459,7 @@ async def test_errors_outside_the_forwarded_paths_are_json(method: str, path: st
             response = await client.request(method, path)
     assert_json_error(response, status, code)
     assert not route.called
-    assert_idle(app)
+    await assert_idle(app)
 
 
 def _host_app(kind: str, gateway_app: Any) -> Any:
@@ -503,7 +498,7 @@ async def test_mounted_in_an_existing_app(kind: str) -> None:
     assert health.json() == {"status": "ok"}
     assert stats.json()["admitted"] == 1 and stats.json()["live_resources"] == 0
     assert_json_error(missing, 404, "not_found")
-    assert_idle(gateway_app)
+    await assert_idle(gateway_app)
 
 
 # --- bookkeeping ------------------------------------------------------------------------------
@@ -544,7 +539,7 @@ async def test_bookkeeping_gets_scalars_with_the_fingerprint_of_the_bytes_receiv
     assert outcome.outcome == "complete"
     assert outcome.started <= outcome.first_byte_at <= outcome.ended  # type: ignore[operator]
     assert app.state.book.get("sess-b") is None  # a custom bookkeeper replaces the default one
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_bookkeeping_records_failures_and_retries() -> None:
@@ -562,7 +557,7 @@ async def test_bookkeeping_records_failures_and_retries() -> None:
     assert (unreachable.status, unreachable.outcome, unreachable.bytes_out) == (502, "error", 0)
     assert unreachable.fingerprint.wire_hash == blake3(b'{"input":"x"}').hexdigest()
     assert (malformed.status, malformed.outcome, malformed.first_byte_at) == (400, "error", None)
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_a_failing_bookkeeper_does_not_break_the_response() -> None:
@@ -575,7 +570,7 @@ async def test_a_failing_bookkeeper_does_not_break_the_response() -> None:
         async with gateway(bookkeeper=Broken()) as (app, client):
             response = await client.post(PATH, json=CHAT, headers={"x-session-id": "s"})
     assert response.status_code == 200 and response.json() == OK
-    assert_idle(app)
+    await assert_idle(app)
 
 
 async def test_same_session_concurrency() -> None:
@@ -620,4 +615,4 @@ async def test_same_session_concurrency() -> None:
     assert entry is not None
     assert entry.requests == n
     assert app.state.book.recomputations == n  # every body differs, so every hash changed
-    assert_idle(app)
+    await assert_idle(app)

@@ -32,6 +32,7 @@ from starlette.applications import Starlette
 
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.testing import held, wait_idle
 from asgi_lifetime.testing._serve import serve_in_thread
 
 from . import sdk_upstream as up
@@ -56,7 +57,6 @@ SETTINGS: dict[str, Any] = {
 }
 SDK_TIMEOUT = 20.0
 STALL_SECONDS = 10.0  # how long a held upstream waits for the gateway to hang up
-GAUGES = ("inflight_requests", "inflight_bytes", "retained_input_bytes", "live_resources", "pinned_sessions")
 # The same message in each SDK's own parameter type (each SDK types ``messages`` with its TypedDicts).
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 CLAUDE_HELLO: list[MessageParam] = [{"role": "user", "content": "hello"}]
@@ -96,15 +96,9 @@ class Served:
     def async_anthropic(self, **options: Any) -> AsyncAnthropic:
         return anthropic.AsyncAnthropic(base_url=self.url, api_key="sk-ant-test", **{"timeout": SDK_TIMEOUT, **options})
 
-    def busy(self) -> dict[str, Any]:
-        """The gateway's non-zero gauges and upstreams with requests in flight (empty when idle)."""
-        stats = self.gateway.state.lifetime.stats().as_dict()
-        busy: dict[str, Any] = {gauge: stats[gauge] for gauge in GAUGES if stats[gauge]}
-        busy.update({u["url"]: u["inflight"] for u in self.gateway.state.upstream.describe() if u["inflight"]})
-        return busy
-
     def wait_idle(self) -> None:
-        settle(lambda: not self.busy(), what=lambda: f"gateway idle (busy: {self.busy()})")
+        """``asgi_lifetime.testing.wait_idle``, for the synchronous tests (the gateway runs in uvicorn's thread)."""
+        settle(lambda: not held(self.gateway), what=lambda: f"gateway idle (busy: {held(self.gateway)})")
 
     def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = self.gateway.state.lifetime.stats().as_dict()
@@ -204,7 +198,7 @@ async def test_chat_stream_async(anyio_backend: str) -> None:
             text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
         assert text == up.TEXT
         once(served, CHAT)
-        await eventually(lambda: not served.busy(), what=served.busy)
+        await wait_idle(served.gateway)
 
 
 # --- OpenAI Responses -----------------------------------------------------------------------------
@@ -248,7 +242,7 @@ async def test_responses_stream_text_async(anyio_backend: str) -> None:
                 final = await stream.get_final_response()
         assert "".join(deltas) == up.TEXT and final.output_text == up.TEXT
         once(served, RESPONSES)
-        await eventually(lambda: not served.busy(), what=served.busy)
+        await wait_idle(served.gateway)
 
 
 IMAGE_TOOL: Any = [{"type": "image_generation", "size": "1024x1024", "quality": "high", "output_format": "png"}]
@@ -277,7 +271,7 @@ async def test_responses_stream_with_a_large_image_event_async(anyio_backend: st
             done = [event async for event in stream if event.type == "response.output_item.done"]
         assert len(done) == 1 and getattr(done[0].item, "result", None) == up.BIG_IMAGE_B64
         once(served, RESPONSES)
-        await eventually(lambda: not served.busy(), what=served.busy)
+        await wait_idle(served.gateway)
 
 
 # --- audio and images -----------------------------------------------------------------------------
@@ -333,7 +327,7 @@ async def test_audio_and_image_streams_async(anyio_backend: str) -> None:
         assert transcript[-1].type == "transcript.text.done" and transcript[-1].text == up.TRANSCRIPT
         assert image[-1].type == "image_generation.completed" and image[-1].b64_json == up.SMALL_IMAGE_B64
         assert served.upstream.seen(TRANSCRIPTIONS).requests == 1 and served.upstream.seen(IMAGES).requests == 1
-        await eventually(lambda: not served.busy(), what=served.busy)
+        await wait_idle(served.gateway)
 
 
 # --- Anthropic ------------------------------------------------------------------------------------
@@ -413,7 +407,7 @@ async def test_anthropic_stream_async(anyio_backend: str) -> None:
         assert text == up.TEXT and final.stop_reason == "end_turn"
         assert _sent_fields(final, up.anthropic_message("claude-test"))
         once(served, MESSAGES)
-        await eventually(lambda: not served.busy(), what=served.busy)
+        await wait_idle(served.gateway)
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -585,9 +579,9 @@ async def test_breaking_out_of_an_async_stream_cancels_the_upstream_request(anyi
                 async for event in stream:
                     if event.type == "response.output_text.delta":
                         break
-        await eventually(lambda: served.upstream.seen(RESPONSES).disconnects == 1, what=served.busy)
+        await eventually(lambda: served.upstream.seen(RESPONSES).disconnects == 1, what=lambda: held(served.gateway))
         once(served, RESPONSES)
-        await eventually(lambda: not served.busy(), what=served.busy)
+        await wait_idle(served.gateway)
 
 
 def test_sdk_timeout_on_a_stalled_stream_cancels_the_upstream_request(served: Served) -> None:
@@ -942,9 +936,9 @@ async def test_cancelling_an_async_stream_with_a_cancel_scope_cancels_the_upstre
                     async for _ in stream.text_stream:
                         pass
             assert scope.cancelled_caught
-        await eventually(lambda: served.upstream.seen(MESSAGES).disconnects == 1, what=served.busy)
+        await eventually(lambda: served.upstream.seen(MESSAGES).disconnects == 1, what=lambda: held(served.gateway))
         once(served, MESSAGES)
-        await eventually(lambda: not served.busy(), what=served.busy)
+        await wait_idle(served.gateway)
 
 
 @pytest.mark.anyio
@@ -971,4 +965,4 @@ async def test_concurrent_async_streams(anyio_backend: str) -> None:
         assert texts == [up.TEXT] * 16
         assert served.upstream.seen(CHAT).requests == 8 and served.upstream.seen(MESSAGES).requests == 8
         assert served.upstream.seen(CHAT).completed == 8 and served.upstream.seen(MESSAGES).completed == 8
-        await eventually(lambda: not served.busy(), what=served.busy)
+        await wait_idle(served.gateway)

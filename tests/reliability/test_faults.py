@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from asgi_lifetime._settings import KiB, LifetimeSettings, MiB
 from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._sse import SSEParser
+from asgi_lifetime.testing import wait_idle
 from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime.testing._upstream import DemoStats, create_demo_upstream
 
@@ -156,26 +157,17 @@ def busy_connections(app: Starlette) -> list[str]:
 async def assert_idle(
     app: Starlette, base_url: str, *, seconds: float = IDLE_TIMEOUT, upstream: Starlette | None = None
 ) -> dict[str, Any]:
-    """Poll ``/lifetime/stats`` until nothing is held, or fail after ``seconds``.
+    """``wait_idle`` on ``/lifetime/stats`` (the gauges, every upstream's in-flight count) and,
+    polled with them, the httpx pool and, with ``upstream`` (a demo upstream), its responses in
+    progress. Returns the last stats."""
 
-    Checks the gauges (in-flight requests and bytes, retained input, live resources, pinned
-    sessions), every upstream's in-flight count, the httpx pool, and with ``upstream`` (a demo
-    upstream) that it has no response in progress either. Returns the last stats.
-    """
-    deadline = anyio.current_time() + seconds
-    async with httpx.AsyncClient(base_url=base_url, timeout=seconds) as client:
-        while True:
-            stats: dict[str, Any] = (await client.get("/lifetime/stats")).json()
-            problems = [f"{name}={stats[name]}" for name in GAUGES if stats[name]]
-            problems += [f"upstream {u['url']} inflight={u['inflight']}" for u in stats["upstreams"] if u["inflight"]]
-            problems += busy_connections(app)
-            if upstream is not None and upstream.state.stats.active_streams:
-                problems.append(f"upstream active_streams={upstream.state.stats.active_streams}")
-            if not problems:
-                return stats
-            if anyio.current_time() > deadline:
-                raise AssertionError(f"not idle after {seconds}s: {', '.join(problems)}; stats={stats}")
-            await anyio.sleep(0.02)
+    def pool_and_upstream() -> list[str]:
+        busy = busy_connections(app)
+        if upstream is not None and upstream.state.stats.active_streams:
+            busy.append(f"upstream active_streams={upstream.state.stats.active_streams}")
+        return busy
+
+    return await wait_idle(base_url, within=seconds, extra=pool_and_upstream)
 
 
 async def eventually(condition: Callable[[], bool], *, seconds: float = 3.0) -> None:

@@ -1,0 +1,587 @@
+"""Who still holds the request's input: a search of the heap for a marker, naming the holders.
+
+The probe (``_probe.py``) sends a body in which every chunk carries a random marker, and calls
+``find_holders`` while the app is suspended in the middle of its streamed response. Nothing
+else runs on the event loop meanwhile: the search is synchronous.
+
+1. **Find.** ``gc.get_objects()`` lists every container the collector tracks. ``str`` and
+   ``bytes`` are not tracked, nor are the tuples and dicts that hold only such atoms (CPython
+   untracks them), so each tracked object's referents are read, descending into untracked
+   containers. A coroutine's (generator's) referents are its frame's locals, so the locals of
+   every suspended coroutine are read too; other threads' running frames are read through
+   ``f_locals``. Buffers that are no referent (``io.BytesIO``, a ``memoryview`` of something
+   else than bytes, ``array``) are read by content.
+2. **Name.** From each holder, referrers are climbed (one ``gc.get_referrers`` scan per level)
+   up to the nearest object a reader recognises: a suspended coroutine or generator (its local),
+   a frame kept by a traceback, a module (a global), a class, a function (a free variable),
+   another thread's frame, or the app under test. The path down is written as Python would
+   reach it: ``coroutine m.f local 'request' → Request._json['messages'][0]['content']``.
+3. **Leave out the probe.** The objects the probe names as its own, the search's own (created
+   after the snapshot) and the current thread's stack (the test awaiting the probe) are neither
+   holders nor referrers. A holder whose every climb ends there is not the app's.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import re
+import sys
+import threading
+import types
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import cast
+
+__all__ = ["Found", "Group", "find_holders", "group"]
+
+_GENERATORS = (types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType)
+_KIND = {
+    types.CoroutineType: "coroutine",
+    types.GeneratorType: "generator",
+    types.AsyncGeneratorType: "async generator",
+}
+# Untracked objects that hold no other object: skipped without a call.
+_ATOMS = frozenset({int, float, bool, complex, type(None), type(Ellipsis), type(NotImplemented), types.CodeType})
+# Containers, known not to be buffers (any other type is asked once whether it is one).
+_HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: the type's objects may refer to others
+_CONTAINERS = frozenset({dict, list, tuple, set, frozenset, type, types.FunctionType, types.CellType})
+_MAX_LEVELS = 32  # referrer levels climbed from a holder
+_BATCH = 256  # objects whose referrers one scan of the heap looks for
+_MAX_FRONTIER = 8 * _BATCH  # objects climbed from, per level
+_MAX_HOLDERS = 4 * _BATCH  # distinct holders named; the others are counted by type
+_MAX_ROUTES = 4  # paths named to one holder
+_DETOUR = 2  # how much longer than the shortest another path to a holder may be
+_INDEX = re.compile(r"\[\d+\]")
+
+
+@dataclass(frozen=True)
+class Found:
+    """One reference to a piece of input: how it is reached, what it is, its size in bytes."""
+
+    path: str
+    kind: str
+    leaf: int  # id() of the object holding input, to count each object once
+    size: int
+
+
+@dataclass(frozen=True)
+class _Hit:
+    holder: object  # a tracked object (or another thread's local) with a reference down to the leaf
+    via: tuple[object, ...]  # the untracked containers between the holder and the leaf
+    leaf: object
+
+
+def find_holders(
+    needle: str, *, own: Iterable[object] = (), own_code: Iterable[types.CodeType] = (), app: object = None
+) -> list[Found]:
+    """Every reference path, from something recognisable, to an object whose content has ``needle``.
+
+    ``own``: the caller's objects, and ``own_code``: the code of its suspended coroutines (neither
+    searched nor climbed through). ``app``: named "the app" when a path starts there. The
+    ``needle`` object itself is no finding.
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    # No collection while ids are compared: every object looked at stays referenced meanwhile.
+    gc.disable()
+    try:
+        search = _Search(needle, own=own, own_code=frozenset(own_code), app=app)
+        hits = search.scan()
+        return search.name(hits) if hits else []
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _Search:
+    def __init__(self, needle: str, *, own: Iterable[object], own_code: frozenset[types.CodeType], app: object) -> None:
+        self.needle = needle
+        self.needle_bytes = needle.encode("utf-8")
+        self.readers: dict[type, Callable[[object], bool | None]] = {}
+        self.truncated = False  # the climb stopped before every path was followed
+        self.app = app
+        self.objects = gc.get_objects()
+        stack = list(_current_stack())
+        self.skip = {id(obj) for obj in own} | {id(frame) for frame in stack}
+        on_stack = {id(frame) for frame in stack}
+        self.generator_frames: set[int] = set()
+        for obj in self.objects:
+            if type(obj) in _GENERATORS:
+                frame = _frame_of(obj)
+                if frame is not None:
+                    self.generator_frames.add(id(frame))
+                    if id(frame) in on_stack or frame.f_code in own_code:
+                        self.skip.add(id(obj))  # running (the probe, the test awaiting it), or the probe's
+        # The locals of the current thread's frames (pytest's, the test's): what only they hold
+        # is the test's, not the app's.
+        self.stack_locals = {id(value) for frame in stack for value in _locals(frame).values()}
+        self.threads = _thread_frames()
+        self.thread_locals: dict[int, str] = {}
+        for label, frame in self.threads:
+            for name, value in _locals(frame).items():
+                self.thread_locals.setdefault(id(value), f"{label} local {name!r}")
+        self.module_dicts = {
+            id(vars(module)): str(getattr(module, "__name__", name))
+            for name, module in list(sys.modules.items())
+            if isinstance(module, types.ModuleType)
+        }
+
+    # --- 1. find -------------------------------------------------------------------------------
+
+    def scan(self) -> list[_Hit]:
+        # The hot loop (every referent of every tracked object): str and bytes are tested inline;
+        # a tracked referent is skipped, as it is searched in its turn as a holder.
+        hits: list[_Hit] = []
+        needle, needle_bytes, holds, skip = self.needle, self.needle_bytes, self.holds, self.skip
+        get_referents, is_tracked, atoms, readers = gc.get_referents, gc.is_tracked, _ATOMS, self.readers
+        for holder in self.objects:
+            if id(holder) in skip:
+                continue
+            if holds(holder):  # a tracked object with content: a BytesIO, a memoryview...
+                hits.append(_Hit(holder, (), holder))
+                if isinstance(holder, io.BytesIO):
+                    continue  # its buffer, a referent on Python 3.12+, is what was just found
+            for ref in get_referents(holder):
+                kind = type(ref)
+                if kind is str:
+                    if needle in ref and ref is not needle:
+                        hits.append(_Hit(holder, (), ref))
+                elif kind is bytes:
+                    if needle_bytes in ref and ref is not needle_bytes:
+                        hits.append(_Hit(holder, (), ref))
+                elif kind not in atoms and not is_tracked(ref):
+                    found = (readers.get(kind) or holds)(ref)
+                    if found:
+                        hits.append(_Hit(holder, (), ref))
+                    elif found is None:
+                        self.descend(holder, ref, hits)
+        for _, frame in self.threads:  # running frames: their locals are no referents
+            for value in _locals(frame).values():
+                found = holds(value)
+                if found:
+                    hits.append(_Hit(value, (), value))
+                elif found is None and not is_tracked(value):
+                    self.descend(value, value, hits)
+        return hits
+
+    def descend(self, holder: object, container: object, hits: list[_Hit]) -> None:
+        """Search untracked containers (tuples and dicts of atoms), iteratively: JSON nests deep."""
+        stack: list[tuple[object, tuple[object, ...]]] = [(container, () if container is holder else (container,))]
+        while stack:
+            obj, via = stack.pop()
+            for ref in gc.get_referents(obj):
+                if gc.is_tracked(ref):
+                    continue  # searched as a holder
+                found = self.holds(ref)
+                if found:
+                    hits.append(_Hit(holder, via, ref))
+                elif found is None:
+                    stack.append((ref, (*via, ref)))
+
+    def holds(self, obj: object) -> bool | None:
+        """Whether ``obj`` has the needle in its content; None for a container (look inside)."""
+        kind = type(obj)  # not isinstance(): a proxy's __class__ may run code, or raise
+        if kind in _ATOMS:
+            return False
+        read = self.readers.get(kind)
+        if read is None:
+            read = self.readers[kind] = self.reader(kind, obj)
+        return read(obj)
+
+    def reader(self, kind: type, example: object) -> Callable[[object], bool | None]:
+        """How to read the content of objects of type ``kind`` (decided once per type)."""
+        needle, needle_bytes = self.needle, self.needle_bytes
+        if issubclass(kind, str):
+            return lambda obj: str.__contains__(cast(str, obj), needle) and obj is not needle
+        if issubclass(kind, bytes):
+            return lambda obj: bytes.__contains__(cast(bytes, obj), needle_bytes) and obj is not needle_bytes
+        if issubclass(kind, bytearray):
+            return lambda obj: bytearray.__contains__(cast(bytearray, obj), needle_bytes)
+        if issubclass(kind, memoryview):
+            # A view of bytes is found through the bytes it holds (its managed buffer's referent).
+            return lambda obj: not _views_bytes(obj) and needle_bytes in _content(obj)
+        if issubclass(kind, io.BytesIO):
+            return lambda obj: needle_bytes in _content(obj)
+        if issubclass(kind, io.StringIO):
+            return lambda obj: needle in _text(obj)
+        if kind not in _CONTAINERS and _is_buffer(example):  # array, mmap, a numpy array, a ctypes buffer...
+            return lambda obj: needle_bytes in _content(obj)
+        if not kind.__flags__ & _HAVE_GC:
+            return _nothing  # no referents: an atom of another type
+        return _container
+
+    # --- 2. name -------------------------------------------------------------------------------
+
+    def name(self, hits: list[_Hit]) -> list[Found]:
+        holders: dict[int, object] = {}
+        for hit in sorted(hits, key=lambda hit: -_size(hit.leaf)):
+            if len(holders) < _MAX_HOLDERS or id(hit.holder) in holders:
+                holders[id(hit.holder)] = hit.holder
+        ups, own_ends = self.climb(list(holders.values()))
+        routes = {key: self.routes(holder, ups, own_ends) for key, holder in holders.items()}
+        found: list[Found] = []
+        for hit in hits:
+            size = _size(hit.leaf)
+            if id(hit.holder) not in routes:
+                label = f"{_type_name(hit.holder)} objects beyond the first {_MAX_HOLDERS} holders (not named)"
+                found.append(Found(label, _kind(hit.leaf), id(hit.leaf), size))
+                continue
+            for label, nodes in routes[id(hit.holder)]:  # none: held only by the probe or the test
+                chain = [*nodes, *hit.via] + ([] if hit.leaf is hit.holder else [hit.leaf])
+                found.append(Found(label + self.render(chain), _kind(hit.leaf), id(hit.leaf), size))
+        return found
+
+    def climb(self, start: list[object]) -> tuple[dict[int, list[object]], set[int]]:
+        """Referrers, level by level: ``ups[id(x)]`` lists what refers to x; ``own_ends`` the
+        objects that the probe's objects or the current stack refer to."""
+        snapshot = {id(obj) for obj in self.objects}  # what existed when the search began
+        ups: dict[int, list[object]] = {}
+        own_ends = {id(obj) for obj in start if id(obj) in self.stack_locals}
+        seen = {id(obj) for obj in start}
+        frontier = [obj for obj in start if self.root(obj) is None]
+        for _ in range(_MAX_LEVELS):
+            found: list[object] = []
+            # One scan of the heap per batch: it costs heap size x batch size.
+            for batch in (frontier[i : i + _BATCH] for i in range(0, min(len(frontier), _MAX_FRONTIER), _BATCH)):
+                targets = {id(obj) for obj in batch}
+                for ref in gc.get_referrers(*batch):
+                    if id(ref) not in snapshot:
+                        continue  # made by the search (its lists, the frame objects it asked for)
+                    referred = [id(obj) for obj in gc.get_referents(ref) if id(obj) in targets]
+                    if id(ref) in self.skip:
+                        own_ends.update(referred)
+                        continue
+                    for key in referred:
+                        ups.setdefault(key, []).append(ref)
+                    if id(ref) not in seen:
+                        seen.add(id(ref))
+                        if id(ref) in self.stack_locals:
+                            own_ends.add(id(ref))
+                        if self.root(ref) is None:
+                            found.append(ref)
+            if not found:
+                break
+            self.truncated |= len(found) > _MAX_FRONTIER
+            frontier = found
+        else:
+            self.truncated = True
+        return ups, own_ends
+
+    def routes(
+        self, holder: object, ups: dict[int, list[object]], own_ends: set[int]
+    ) -> list[tuple[str, list[object]]]:
+        """The shortest paths from recognisable objects down to ``holder``, with their labels: one
+        per distinct object below a root (a ``Request`` held by three coroutines is one path, a parse
+        held by a closure and by ``Request._json`` two), at most ``_MAX_ROUTES``, none longer than
+        the shortest by more than ``_DETOUR``. Empty when only the probe or the test hold it."""
+        parents: dict[int, object | None] = {id(holder): None}
+        depth = {id(holder): 0}
+        queue = deque([holder])
+        best: dict[int, tuple[int, int, str, object]] = {}  # id(below root) -> (rank, depth, label, root)
+        shortest: int | None = None
+        top = holder
+        while queue:
+            node = queue.popleft()
+            if shortest is not None and depth[id(node)] > shortest + _DETOUR:
+                break
+            root = self.root(node)
+            if root is not None:
+                shortest = depth[id(node)] if shortest is None else shortest
+                # Paths that reach the same object through cells, closures or frames are one.
+                below = node
+                while isinstance(parents[id(below)], (types.CellType, tuple, types.FrameType)):
+                    below = parents[id(below)]
+                key = id(parents[id(below)] or below)
+                rank, label = root
+                if key not in best or (rank, depth[id(node)]) < best[key][:2]:
+                    best[key] = (rank, depth[id(node)], label, node)
+                continue
+            top = node
+            for ref in ups.get(id(node), ()):
+                if id(ref) not in parents:
+                    parents[id(ref)] = node
+                    depth[id(ref)] = depth[id(node)] + 1
+                    queue.append(ref)
+        if not best:
+            if own_ends & parents.keys():
+                return []
+            unseen = "whose holders were not searched further" if self.truncated else "held by nothing the gc can see"
+            return [(f"{_type_name(top)} object {unseen},", _down(top, parents))]
+        chosen = sorted(best.values(), key=lambda item: (item[1], item[0]))[:_MAX_ROUTES]
+        return [(label, _down(root, parents)) for _, _, label, root in chosen]
+
+    def root(self, obj: object) -> tuple[int, str] | None:
+        """(rank, label) when ``obj`` is recognisable: where a path is worth starting."""
+        key = id(obj)
+        if key in self.thread_locals:
+            return 0, self.thread_locals[key]
+        kind = type(obj)
+        if kind in _GENERATORS and key not in self.skip and _frame_of(obj) is not None:
+            return 0, f"{_KIND[kind]} {_qualified(obj)}"
+        if kind is types.FrameType and key not in self.skip and key not in self.generator_frames:
+            # (A live generator's frame is named through its generator, one referrer up, on Python
+            # 3.10; a finished one's, kept by a traceback, is a frame like any.)
+            return 1, f"frame {_qualified(obj)} (line {obj.f_lineno})"  # type: ignore[attr-defined]
+        if obj is self.app and obj is not None:
+            return 2, f"the app ({_type_name(obj)})"
+        if kind is types.FunctionType:
+            return 3, f"function {_qualified(obj)}"
+        if isinstance(obj, type):
+            return 4, f"class {obj.__module__}.{obj.__qualname__}"
+        if key in self.module_dicts:
+            return 5, f"module {self.module_dicts[key]}"
+        return None
+
+    # --- rendering -----------------------------------------------------------------------------
+
+    def render(self, chain: list[object]) -> str:
+        return "".join(self.edge(chain[i - 1], chain[i], chain[i - 2] if i > 1 else None) for i in range(1, len(chain)))
+
+    def edge(self, parent: object, child: object, grand: object) -> str:
+        """How ``child`` is reached from ``parent``, as text appended to the path so far."""
+        if type(parent) in _GENERATORS or type(parent) is types.FrameType:
+            return _frame_edge(parent, child)
+        if isinstance(parent, types.CellType):
+            return ""
+        if isinstance(parent, dict):
+            return self.dict_edge(parent, child, grand)
+        if isinstance(parent, tuple) and isinstance(grand, types.FunctionType) and parent is grand.__closure__:
+            names = grand.__code__.co_freevars
+            return next((f" free variable {names[i]!r}" for i, cell in enumerate(parent) if cell is child), "")
+        if isinstance(parent, (list, tuple, deque)):
+            return next((f"[{i}]" for i, item in enumerate(parent) if item is child), " (an item)")
+        if isinstance(parent, (set, frozenset)):
+            return " (a set member)"
+        if isinstance(parent, types.FunctionType):
+            if child is parent.__closure__ or child is getattr(parent, "__dict__", None):
+                return ""
+            if child is parent.__defaults__:
+                return ".__defaults__"
+            if child is parent.__kwdefaults__:
+                return ".__kwdefaults__"
+        if isinstance(parent, (type, types.ModuleType)) and child is _dict_of(parent):
+            return ""
+        if isinstance(parent, memoryview):
+            return " (a memoryview)"
+        if type(parent).__name__ == "managedbuffer":
+            return ""
+        if child is _dict_of(parent):
+            return ""  # the next step names the attribute
+        for name, value in _attributes(parent):
+            if value is child:
+                return f" → {_type_name(parent)}.{name}"
+        return f" → {_type_name(child)}"
+
+    def dict_edge(self, parent: dict[object, object], child: object, grand: object) -> str:
+        owner = ""
+        if id(parent) in self.module_dicts or (isinstance(grand, type) and _dict_of(grand) is parent):
+            owner = "."
+        elif grand is not None and _dict_of(grand) is parent:
+            owner = f" → {_type_name(grand)}."
+        for key, value in list(parent.items()):
+            if value is child:
+                return f"{owner}{key}" if owner and isinstance(key, str) else f"[{_short(key)}]"
+        return " (a dict key)"
+
+
+@dataclass(frozen=True)
+class Group:
+    """The references that differ only in list indexes (``[*]``): one line of a report."""
+
+    path: str
+    kind: str
+    sizes: dict[int, int]  # id() of each object holding input -> its size
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes.values())
+
+
+def group(found: Iterable[Found]) -> list[Group]:
+    """``found`` by path pattern and kind, largest first; a path seen once is kept as it is."""
+    groups: dict[tuple[str, str], Group] = {}
+    for item in found:
+        key = (_INDEX.sub("[*]", item.path), item.kind)
+        known = groups.get(key)
+        sizes = {**(known.sizes if known else {}), item.leaf: item.size}
+        path = item.path if known is None or (len(sizes) == 1 and known.path == item.path) else key[0]
+        groups[key] = Group(path, item.kind, sizes)
+    return sorted(groups.values(), key=lambda g: (-g.size, g.path))
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _current_stack() -> Iterator[types.FrameType]:
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _thread_frames() -> list[tuple[str, types.FrameType]]:
+    """The running frames of the other threads (their locals are no gc referents)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    me = threading.get_ident()
+    frames: list[tuple[str, types.FrameType]] = []
+    for ident, top in sys._current_frames().items():
+        frame: types.FrameType | None = top
+        while ident != me and frame is not None:
+            frames.append((f"thread {names.get(ident, ident)!r} frame {_qualified(frame)}", frame))
+            frame = frame.f_back
+    return frames
+
+
+def _frame_of(obj: object) -> types.FrameType | None:
+    for name in ("cr_frame", "gi_frame", "ag_frame"):
+        frame = getattr(obj, name, None)
+        if isinstance(frame, types.FrameType):
+            return frame
+    return None
+
+
+def _locals(frame: types.FrameType) -> dict[str, object]:
+    # Python 3.13+: a proxy; before, a snapshot the frame keeps (it refers to what the frame does).
+    return dict(frame.f_locals)
+
+
+def _frame_edge(parent: object, child: object) -> str:
+    frame = parent if isinstance(parent, types.FrameType) else _frame_of(parent)
+    if child is frame:
+        return ""
+    if frame is not None and child is frame.f_back:
+        return ".f_back"
+    if frame is not None:
+        for name, value in _locals(frame).items():
+            if value is child or (isinstance(child, types.CellType) and _cell_holds(child, value)):
+                return f" local {name!r}"
+    if any(child is getattr(parent, name, None) for name in ("cr_await", "gi_yieldfrom", "ag_await")):
+        return " awaiting"
+    return " (on its evaluation stack)"
+
+
+def _cell_holds(cell: types.CellType, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
+def _qualified(obj: object) -> str:
+    """``module.qualname`` of a function, coroutine, generator or frame."""
+    if isinstance(obj, types.FrameType):
+        code = obj.f_code
+        module = obj.f_globals.get("__name__", "?")
+        return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+    frame = _frame_of(obj)
+    module = frame.f_globals.get("__name__", "?") if frame is not None else getattr(obj, "__module__", "?")
+    return f"{module}.{getattr(obj, '__qualname__', '?')}"
+
+
+def _dict_of(obj: object) -> object:
+    """The dict holding ``obj``'s attributes (a class's real dict, not its mappingproxy)."""
+    if issubclass(type(obj), type):
+        inner = gc.get_referents(type.__dict__["__dict__"].__get__(obj))
+        return inner[0] if inner else None
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except Exception:  # none, or a descriptor that fails
+        return None
+
+
+def _attributes(obj: object) -> Iterator[tuple[str, object]]:
+    attrs = _dict_of(obj)
+    if isinstance(attrs, dict) and not isinstance(obj, type):
+        yield from ((str(name), value) for name, value in list(attrs.items()))
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            try:
+                yield slot, object.__getattribute__(obj, slot)
+            except Exception:  # an empty slot, or a descriptor that fails
+                continue
+    for name in ("__self__", "__func__", "__traceback__", "__cause__", "__context__", "tb_frame", "tb_next"):
+        try:
+            yield name, object.__getattribute__(obj, name)
+        except Exception:
+            continue
+
+
+def _container(obj: object) -> None:
+    return None
+
+
+def _nothing(obj: object) -> bool:
+    return False
+
+
+def _is_buffer(obj: object) -> bool:
+    try:
+        with memoryview(obj):  # type: ignore[arg-type]
+            return True
+    except Exception:  # not a buffer (TypeError), or one that cannot be read now
+        return False
+
+
+def _views_bytes(view: object) -> bool:
+    try:
+        return type(view.obj) in (bytes, bytearray)  # type: ignore[attr-defined]
+    except ValueError:  # released
+        return True
+
+
+def _content(obj: object) -> bytes:
+    """The bytes of a buffer, a view or a BytesIO; empty when they cannot be read."""
+    try:
+        if type(obj) in (bytes, bytearray):
+            return obj  # type: ignore[return-value]
+        if isinstance(obj, io.BytesIO):
+            return obj.getvalue()
+        with memoryview(obj) as view:  # type: ignore[arg-type]
+            return view.tobytes()
+    except Exception:  # closed, released, or unreadable
+        return b""
+
+
+def _text(obj: object) -> str:
+    try:
+        return cast(io.StringIO, obj).getvalue()
+    except ValueError:
+        return ""
+
+
+def _size(obj: object) -> int:
+    kind = type(obj)
+    if issubclass(kind, (str, bytes, bytearray)):
+        return len(obj)  # type: ignore[arg-type]
+    if issubclass(kind, io.StringIO):
+        return len(_text(obj))
+    return len(_content(obj))
+
+
+def _kind(obj: object) -> str:
+    return _type_name(obj)
+
+
+def _type_name(obj: object) -> str:
+    return type(obj).__name__
+
+
+def _short(key: object) -> str:
+    try:
+        text = repr(key)
+    except Exception:
+        text = f"<{_type_name(key)}>"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _down(node: object, parents: dict[int, object | None]) -> list[object]:
+    """From ``node`` down to the holder the climb started at."""
+    chain = [node]
+    parent = parents[id(node)]
+    while parent is not None:
+        chain.append(parent)
+        parent = parents[id(parent)]
+    return chain
