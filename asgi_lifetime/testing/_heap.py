@@ -157,14 +157,18 @@ class _Search:
                         hits.append(_Hit(holder, (), ref))
                     elif found is None:
                         self.descend(holder, ref, hits)
-        for _, frame in self.threads:  # running frames: their locals are no referents
+        self.scan_threads(hits)
+        return hits
+
+    def scan_threads(self, hits: list[_Hit]) -> None:
+        """Other threads' running frames: their locals are no referents of anything tracked."""
+        for _, frame in self.threads:
             for value in _locals(frame).values():
-                found = holds(value)
+                found = self.holds(value)
                 if found:
                     hits.append(_Hit(value, (), value))
-                elif found is None and not is_tracked(value):
+                elif found is None and not gc.is_tracked(value):
                     self.descend(value, value, hits)
-        return hits
 
     def descend(self, holder: object, container: object, hits: list[_Hit]) -> None:
         """Search untracked containers (tuples and dicts of atoms), iteratively: JSON nests deep."""
@@ -245,22 +249,7 @@ class _Search:
             found: list[object] = []
             # One scan of the heap per batch: it costs heap size x batch size.
             for batch in (frontier[i : i + _BATCH] for i in range(0, min(len(frontier), _MAX_FRONTIER), _BATCH)):
-                targets = {id(obj) for obj in batch}
-                for ref in gc.get_referrers(*batch):
-                    if id(ref) not in snapshot:
-                        continue  # made by the search (its lists, the frame objects it asked for)
-                    referred = [id(obj) for obj in gc.get_referents(ref) if id(obj) in targets]
-                    if id(ref) in self.skip:
-                        own_ends.update(referred)
-                        continue
-                    for key in referred:
-                        ups.setdefault(key, []).append(ref)
-                    if id(ref) not in seen:
-                        seen.add(id(ref))
-                        if id(ref) in self.stack_locals:
-                            own_ends.add(id(ref))
-                        if self.root(ref) is None:
-                            found.append(ref)
+                found += self.climb_batch(batch, snapshot, seen, ups, own_ends)
             if not found:
                 break
             self.truncated |= len(found) > _MAX_FRONTIER
@@ -268,6 +257,35 @@ class _Search:
         else:
             self.truncated = True
         return ups, own_ends
+
+    def climb_batch(
+        self,
+        batch: list[object],
+        snapshot: set[int],
+        seen: set[int],
+        ups: dict[int, list[object]],
+        own_ends: set[int],
+    ) -> list[object]:
+        """One level up from ``batch`` (one heap scan): records the referrers in ``ups`` and
+        ``own_ends``, and returns those not seen before that are no root, to climb from next."""
+        targets = {id(obj) for obj in batch}
+        found: list[object] = []
+        for ref in gc.get_referrers(*batch):
+            if id(ref) not in snapshot:
+                continue  # made by the search (its lists, the frame objects it asked for)
+            referred = [id(obj) for obj in gc.get_referents(ref) if id(obj) in targets]
+            if id(ref) in self.skip:
+                own_ends.update(referred)
+                continue
+            for key in referred:
+                ups.setdefault(key, []).append(ref)
+            if id(ref) not in seen:
+                seen.add(id(ref))
+                if id(ref) in self.stack_locals:
+                    own_ends.add(id(ref))
+                if self.root(ref) is None:
+                    found.append(ref)
+        return found
 
     def routes(
         self, holder: object, ups: dict[int, list[object]], own_ends: set[int]
@@ -354,25 +372,7 @@ class _Search:
             return next((f"[{i}]" for i, item in enumerate(parent) if item is child), " (an item)")
         if isinstance(parent, (set, frozenset)):
             return " (a set member)"
-        if isinstance(parent, types.FunctionType):
-            if child is parent.__closure__ or child is getattr(parent, "__dict__", None):
-                return ""
-            if child is parent.__defaults__:
-                return ".__defaults__"
-            if child is parent.__kwdefaults__:
-                return ".__kwdefaults__"
-        if isinstance(parent, (type, types.ModuleType)) and child is _dict_of(parent):
-            return ""
-        if isinstance(parent, memoryview):
-            return " (a memoryview)"
-        if type(parent).__name__ == "managedbuffer":
-            return ""
-        if child is _dict_of(parent):
-            return ""  # the next step names the attribute
-        for name, value in _attributes(parent):
-            if value is child:
-                return f" → {_type_name(parent)}.{name}"
-        return f" → {_type_name(child)}"
+        return _object_edge(parent, child)
 
     def dict_edge(self, parent: dict[object, object], child: object, grand: object) -> str:
         owner = ""
@@ -384,6 +384,29 @@ class _Search:
             if value is child:
                 return f"{owner}{key}" if owner and isinstance(key, str) else f"[{_short(key)}]"
         return " (a dict key)"
+
+
+def _object_edge(parent: object, child: object) -> str:
+    """How ``child`` is reached from an object that is no container the search walks itself."""
+    if isinstance(parent, types.FunctionType):
+        if child is parent.__closure__ or child is getattr(parent, "__dict__", None):
+            return ""
+        if child is parent.__defaults__:
+            return ".__defaults__"
+        if child is parent.__kwdefaults__:
+            return ".__kwdefaults__"
+    if isinstance(parent, (type, types.ModuleType)) and child is _dict_of(parent):
+        return ""
+    if isinstance(parent, memoryview):
+        return " (a memoryview)"
+    if type(parent).__name__ == "managedbuffer":
+        return ""
+    if child is _dict_of(parent):
+        return ""  # the next step names the attribute
+    for name, value in _attributes(parent):
+        if value is child:
+            return f" → {_type_name(parent)}.{name}"
+    return f" → {_type_name(child)}"
 
 
 @dataclass(frozen=True)

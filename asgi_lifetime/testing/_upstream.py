@@ -128,6 +128,19 @@ def _dumps(payload: Any) -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request body, or None when the client hangs up first. A function of its own: its
+    locals (the chunks, the last message) are gone when it returns, before the answer streams."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
 class _Upstream:
     def __init__(self, *, tokens_per_second: float, default_tokens: int, seed: int) -> None:
         self.tokens_per_second = tokens_per_second
@@ -139,17 +152,10 @@ class _Upstream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.stats.requests += 1
-        chunks: list[bytes] = []
-        more_body = True
-        while more_body:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self.stats.disconnects += 1
-                return
-            chunks.append(message.get("body", b""))
-            more_body = message.get("more_body", False)
-        body = b"".join(chunks)
-        del chunks
+        body = await _read_body(receive)
+        if body is None:
+            self.stats.disconnects += 1
+            return
         self.stats.last_body_size = len(body)
         try:
             spec = parse_behaviour(str(getattr(self.app_state, "behaviour", "") or ""))

@@ -407,3 +407,11 @@ async def test_any_buffer_is_read_and_strange_objects_do_not_stop_the_search(any
     report = await probe_retention(apps.starlette_app(chat))
     assert paths(report) == f"function {__name__}.{chat.__qualname__} free variable 'kept'[<Strange>]"
     assert report.holders[0].kind == "array"
+
+
+async def test_the_demo_upstream_holds_no_request_while_it_streams(anyio_backend: str) -> None:
+    # It runs in the gateway's process (the demo, the tests' upstream thread): its reading loop
+    # once left the last chunk in a local of the coroutine that streams the answer.
+    report = await probe_retention(create_demo_upstream(tokens_per_second=2000, default_tokens=16))
+    assert report.status == 200
+    assert report.ok, report
