@@ -153,6 +153,10 @@ class Admission:
             waiter.refused = ("draining", reason)
             waiter.event.set()
 
+    def admits_now(self) -> bool:
+        """Whether a request arriving now would have a slot at once, without waiting (or being refused)."""
+        return self._closed_reason is None and not self._grows and not self._arrivals and self._fits(1, 0)
+
     async def acquire(self, nbytes: int) -> Ticket:
         """Wait for a slot and ``nbytes`` of budget; raise ``AdmissionRejected`` when refused."""
         waited = await self._wait(1, min(nbytes, self.max_inflight_bytes))

@@ -7,11 +7,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 from blake3 import blake3
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _json
-from ._admission import Admission
+from ._admission import Admission, Ticket
 from ._asgi import is_json, list_field, route_path, send_error
 from ._body import parse_content_length, read_body
 from ._exceptions import (
@@ -263,14 +264,19 @@ class LifetimeMiddleware:
 
         started = time.monotonic()
         # A slot, but no bytes yet: a declared Content-Length costs budget only as it is sent.
-        ticket = await lifetime.admission.acquire(0)
+        if lifetime.admission.admits_now():
+            ticket = await lifetime.admission.acquire(0)
+            body_receive = receive
+        else:
+            ticket, early = await _acquire_watching(lifetime.admission, receive)
+            body_receive = _replaying(early, receive)
         resources.add(ticket.release)
         admission_wait = time.monotonic() - started
 
         hasher = blake3()
         try:
             raw = await read_body(
-                receive,
+                body_receive,
                 max_bytes=settings.max_body_bytes,
                 expected_length=length,
                 idle_timeout=settings.body_idle_timeout,
@@ -313,6 +319,84 @@ class LifetimeMiddleware:
                 (k, v) for k, v in headers if k not in (b"content-encoding", b"content-length", b"transfer-encoding")
             ] + [(b"content-length", str(len(raw)).encode())]
         return inner_scope, _Replay(raw, hold, receive)
+
+
+# While a request waits for its slot, how much of its body may be taken off the server to see
+# whether its client is still there (uncharged: the server would hold these bytes anyway).
+_WATCH_BYTES = 64 * 1024
+
+
+async def _acquire_watching(admission: Admission, receive: Receive) -> tuple[Ticket, list[Message]]:
+    """A slot, while watching the client: one that hangs up while queued leaves the queue at once
+    (``BodyAborted``) instead of holding its place until admitted or ``ADMISSION_TIMEOUT``.
+
+    ASGI says a hang-up only through ``receive()``, which also hands over the body: the messages
+    read meanwhile are returned, to be read first. Watching stops after ``_WATCH_BYTES`` of body
+    (the server's flow control holds the rest; a later hang-up is seen once admitted). Cancelling
+    a pending ``receive()`` loses nothing: servers keep what it had not returned yet.
+    """
+    early: list[Message] = []
+    ticket: Ticket | None = None
+    failure: Exception | None = None  # raised here, not wrapped in the task group's ExceptionGroup
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone, failure
+        taken, more = 0, True
+        try:
+            while taken <= _WATCH_BYTES:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    gone = True
+                    break
+                if not more:  # no body message after the last one; keep it for read_body to refuse
+                    early.append(message)
+                    return
+                early.append(message)
+                taken += len(message.get("body", b""))
+                more = message.get("more_body", False)
+                # With the body complete, what the next receive() returns is the hang-up.
+            else:
+                return  # watched enough: stop taking the body off the server
+        except Exception as exc:
+            failure = exc
+        tg.cancel_scope.cancel()
+
+    async def admit() -> None:
+        nonlocal ticket, failure
+        try:
+            ticket = await admission.acquire(0)
+        except Exception as exc:  # AdmissionRejected
+            failure = exc
+        tg.cancel_scope.cancel()  # stop watching: the body is read from here on
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            tg.start_soon(admit)
+    except BaseException:  # cancelled from outside: a ticket won meanwhile is nobody's yet
+        if ticket is not None:
+            ticket.release()
+        raise
+    if ticket is not None and (gone or failure is not None):
+        ticket.release()  # admitted in the same turn as the hang-up was seen
+    if failure is not None:
+        raise failure
+    if gone:
+        raise BodyAborted("the client hung up while waiting for admission")
+    assert ticket is not None  # admit() returned a ticket or set failure
+    return ticket, early
+
+
+def _replaying(early: list[Message], receive: Receive) -> Receive:
+    """``receive`` that first hands out ``early`` (read while the request was queued), releasing each."""
+
+    async def replay() -> Message:
+        if early:
+            return early.pop(0)
+        return await receive()
+
+    return replay
 
 
 def _count(counters: Counters, exc: LifetimeError) -> None:

@@ -5,9 +5,11 @@ from collections.abc import Iterator
 import anyio
 import pytest
 from anyio.abc import TaskGroup
+from starlette.types import Message, Receive
 
 from asgi_lifetime._admission import Admission, Ticket, _QueueDelay
-from asgi_lifetime._exceptions import AdmissionRejected
+from asgi_lifetime._exceptions import AdmissionRejected, BodyAborted
+from asgi_lifetime._middleware import _acquire_watching
 from asgi_lifetime._stats import Counters
 
 pytestmark = pytest.mark.anyio
@@ -968,3 +970,59 @@ async def test_a_failing_wait_listener_neither_refuses_nor_leaks(
     assert seen == [0.0]  # the next listener still heard of it
     assert "admission wait listener" in caplog.text
     ticket.release()
+
+
+# --- a queued request watching its client (LifetimeMiddleware._acquire_watching) -----------------
+
+
+def _client(*messages: Message) -> Receive:
+    """A client that sends ``messages``, then stays (its next receive() waits forever)."""
+    pending = list(messages)
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop(0)
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+async def test_a_queued_request_cancelled_as_it_is_admitted_gives_its_slot_back() -> None:
+    # The admission's listener runs inside acquire(), just before the ticket is handed over:
+    # cancelling the request there is the narrowest window (a ticket won, nobody's yet).
+    counters = Counters()
+    admission = make(counters, max_inflight=1)
+    held = await admission.acquire(0)
+    with anyio.CancelScope() as request:
+        admission.on_admitted(lambda waited: request.cancel())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_acquire_watching, admission, _client({"type": "http.request", "body": b"{}"}))
+            await anyio.wait_all_tasks_blocked()
+            assert counters.queued_requests == 1
+            held.release()
+    assert request.cancelled_caught
+    assert (counters.inflight_requests, counters.queued_requests) == (0, 0)
+
+
+async def test_a_queued_request_whose_client_leaves_is_aborted_and_its_body_so_far_returned() -> None:
+    counters = Counters()
+    admission = make(counters, max_inflight=1)
+    held = await admission.acquire(0)
+    body = {"type": "http.request", "body": b'{"a":', "more_body": True}
+    with pytest.raises(BodyAborted):
+        await _acquire_watching(admission, _client(body, {"type": "http.disconnect"}))
+    assert counters.queued_requests == 0
+    rest = {"type": "http.request", "body": b"1}"}
+    async with anyio.create_task_group() as tg:
+
+        async def admitted() -> None:
+            ticket, early = await _acquire_watching(admission, _client(body, rest))
+            assert early == [body, rest]  # read first, in order, once admitted
+            ticket.release()
+
+        tg.start_soon(admitted)
+        await anyio.wait_all_tasks_blocked()
+        assert counters.queued_requests == 1
+        held.release()
+    assert (counters.inflight_requests, counters.queued_requests) == (0, 0)
