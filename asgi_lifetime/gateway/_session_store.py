@@ -9,30 +9,39 @@ sessions in Redis, and keeps the in-memory book underneath as it always was:
   ``session_key`` digest (never the id itself), a hash of the same scalars as ``SessionEntry``:
   wire hash, verdict, size, request and byte counts, last status, outcome and time. Each record
   renews its ``SESSION_TTL``. Nothing of the body, raw or parsed, is ever sent.
-- **on_change once in the fleet.** The record and the wire-hash compare-and-update are one
-  server-side script: of several replicas recording the same change, exactly one is told it
-  changed, and only that one runs ``on_change``. If ``on_change`` raises, the claim is undone, so
-  the session's next record (on any replica) runs it again, as the in-memory book does. A
-  replica that dies between the claim and the end of ``on_change`` loses that run. Records are
-  ordered by their request's admission (wall clock), not by when they reach Redis: a record that
-  arrives after a newer one of its session is counted but claims nothing and moves no hash back
-  (its change, if it was one, is already superseded). Replicas on different hosts need clocks
-  closer than a session's requests are apart.
+- **on_change exactly once in the fleet, decided at admission.** Before a request with a session
+  id is forwarded, the forwarder awaits ``claim``: one server-side script that compares the wire
+  hash (known at admission: the fingerprint is taken before any preparer) with the session's
+  claimed hash and, if they differ, sets it. A session's next turn is admitted only after this
+  turn's answer was sent, so the order in which Redis runs the claims is the order of the turns:
+  every change between two successive turns is claimed by exactly one request, wherever its
+  record lands and however late. Of several replicas admitting the same hash, one claims it.
+  ``on_change`` still runs at the record (the end of the response, as in the in-memory book), in
+  the process whose admission claimed it, for every record whatever its status (a failed or
+  disconnected request's change is still a change, as in one process). If ``on_change`` raises, the
+  claim is given back, so the session's next request (on any replica) runs it again. A replica
+  that dies between its claim and the end of ``on_change`` (its requests in flight) loses those
+  runs: the change is claimed, and a re-send of the same body elsewhere finds it so.
+  ``record`` without a claim (a caller that uses the book alone) is decided when it reaches Redis,
+  ordered by admission (wall clock): a record that arrives after a newer one (or after a newer
+  claim) is counted but claims nothing and moves no hash back. Replicas on different hosts need
+  clocks closer than a session's requests are apart for that ordering only.
 - **Pins are leases.** A pin is also a member of the session's lease set in Redis, taken at
   admission, renewed every third of ``SESSION_LEASE`` while the response streams, removed at
   settle. A replica that dies stops renewing: its pins are gone within ``SESSION_LEASE``. While
   a session has a lease, its entry's TTL is renewed too.
-- **The request never waits on Redis.** ``pin``, the release and ``record`` only update the
-  in-memory book and put a small operation on a bounded queue; they never await. One task per
-  book (``run``: started by the app's lifespan) writes the queue to Redis and renews the leases,
-  each call bounded by ``SESSION_STORE_TIMEOUT``. Why a queue and not an awaited call with a
-  timeout: the forwarder pins synchronously at admission and its release runs at settle, on
-  every path, cancellation included, where an await would have to be shielded and would hold
-  the request open; and a slow Redis would add its delay to every request rather than to one
-  background task.
+- **The request waits on Redis once, at admission, for at most ``SESSION_STORE_TIMEOUT``.**
+  The claim is the only awaited call: shielded (a request cancelled meanwhile still knows what it
+  claimed, and its record runs it) and bounded; past the bound the book falls back (below) and
+  the request is decided by this process's memory. ``pin``, the release and ``record`` only
+  update the in-memory book and put a small operation on a bounded queue; they never await. One
+  task per book (``run``: started by the app's lifespan) writes the queue to Redis and renews the
+  leases, each call bounded by ``SESSION_STORE_TIMEOUT``. Why a queue for those: the release runs
+  at settle, on every path, cancellation included, where an await would hold the request open;
+  and their order only matters for counts and leases, not for the decision.
 - **Redis slow or down: the local book.** A call that fails or takes longer than the bound
-  switches the book to its in-memory half: records are decided there (``on_change`` by this
-  process alone), one warning line says so and ``asgi_lifetime_session_store_up`` drops to 0
+  switches the book to its in-memory half: admissions do not ask Redis and records are decided
+  there (``on_change`` by this process alone), one warning line says so and ``asgi_lifetime_session_store_up`` drops to 0
   (``..._fallbacks_total`` counts the switches). The task pings meanwhile; when Redis answers
   again, one line says so, this process's leases are written again and records go back to
   Redis. A full queue (Redis slower than the traffic) settles that one operation locally.
@@ -45,7 +54,8 @@ book = RedisSessionBook("redis://127.0.0.1:6379/0", max_sessions=10_000, on_chan
 async with anyio.create_task_group() as tg:
     await tg.start(book.run)                    # connects (bounded), then writes and renews
     unpin = book.pin("sess-1")                  # never awaits
-    book.record(outcome)
+    claim = await book.claim("sess-1", fingerprint, started)    # at admission: bounded, shielded
+    book.record(dataclasses.replace(outcome, claim=claim))      # runs on_change if claimed
     unpin()
     tg.cancel_scope.cancel()                    # releases this process's leases on the way out
 ```
@@ -310,7 +320,9 @@ class RedisSessionBook(SessionBook):
     ```
 
     The same interface as ``SessionBook`` (``pin`` returns the release, ``record`` takes an
-    ``Outcome``), neither of which awaits; the in-memory entries (``get``, ``len``) are this
+    ``Outcome``), neither of which awaits, and ``claim``, which the forwarder awaits at admission
+    (``claims_at_admission``: one bounded script call) and whose answer the record carries
+    (``Outcome.claim``); the in-memory entries (``get``, ``len``) are this
     process's view, and decide alone while Redis cannot (see the module docstring). ``lookup``
     and ``live_leases`` read what the fleet shares.
 
