@@ -863,7 +863,11 @@ def _sessions(results: dict[str, Any], add: Any) -> None:
     add("| concurrency | target | CPU per request | ratio | requests/s | ratio | errors |")
     add("|---|---|---|---|---|---|---|")
     for key in sorted(
-        table, key=lambda k: (table[k]["concurrency"], ["before", "memory", "redis"].index(table[k]["target"]))
+        table,
+        key=lambda k: (
+            table[k]["concurrency"],
+            ["before", "memory", "before_redis", "redis"].index(table[k]["target"]),
+        ),
     ):
         row = table[key]
         ref = table.get(f"{base}@{row['concurrency']}", row)

@@ -9,7 +9,9 @@ every request), through three gateways side by side in one run:
   ``DIR/asgi_lifetime`` is that version, run as ``benchmarks/before_after.py`` runs one: its own
   ``benchmarks/servers.py`` from ``DIR``); left out without ``--before``;
 - ``redis``: this checkout, ``SESSION_STORE=redis://`` (a ``redis-server`` on loopback started here,
-  without persistence): the change claimed at admission, one round trip per request.
+  without persistence): the change claimed at admission, one round trip per request;
+- ``before_redis``: the ``--before`` package with the same Redis, when it has ``SESSION_STORE`` (a
+  ``--before`` later than the fleet work: how the claim at admission compares with what it replaced).
 
 Each concurrency runs the targets interleaved in slices (every target sees the same background
 noise); per slice, the gateway process's CPU time (user + system, psutil) per answered request and
@@ -122,6 +124,9 @@ async def bench_sessions(mode_name: str, results: dict[str, Any], log: Any, befo
             servers["before"] = Server("gateway", upstream=upstream.url, cwd=before)
         if redis is not None:
             servers["redis"] = Server("gateway", upstream=upstream.url, settings={"session_store": redis[0]})
+            if before is not None and _has_session_store(before):  # a later "before": its Redis book beside
+                store = {"session_store": redis[0]}
+                servers["before_redis"] = Server("gateway", upstream=upstream.url, cwd=before, settings=store)
         else:
             log("sessions: redis-server is not installed (apt-get install redis-server): no Redis row")
         with contextlib.ExitStack() as stack:
@@ -134,7 +139,7 @@ async def bench_sessions(mode_name: str, results: dict[str, Any], log: Any, befo
             redis_process = psutil.Process(redis[1]) if redis is not None else None
             for concurrency in CONCURRENCY[mode_name]:
                 rows: dict[str, dict[str, list[float]]] = {key: {"cpu": [], "rps": []} for key in servers}
-                redis_cpu: list[float] = []
+                redis_cpu: dict[str, list[float]] = {key: [] for key in servers}
                 errors = dict.fromkeys(servers, 0)
                 for index in range(slices):
                     for key, server in servers.items():  # interleaved
@@ -146,8 +151,10 @@ async def bench_sessions(mode_name: str, results: dict[str, Any], log: Any, befo
                         rows[key]["cpu"].append(cpu / max(1, answered))
                         rows[key]["rps"].append(answered / took)
                         errors[key] += failed
-                        if key == "redis" and redis_process is not None:
-                            redis_cpu.append((sum(redis_process.cpu_times()[:2]) - redis_before) / max(1, answered))
+                        if key in ("redis", "before_redis") and redis_process is not None:
+                            redis_cpu[key].append(
+                                (sum(redis_process.cpu_times()[:2]) - redis_before) / max(1, answered)
+                            )
                 for key in servers:
                     table[f"{key}@{concurrency}"] = {
                         "target": key,
@@ -158,8 +165,8 @@ async def bench_sessions(mode_name: str, results: dict[str, Any], log: Any, befo
                         "median_cpu_per_request": statistics.median(rows[key]["cpu"]),
                         "median_rps": statistics.median(rows[key]["rps"]),
                     }
-                    if key == "redis":
-                        table[f"{key}@{concurrency}"]["redis_cpu_per_request"] = statistics.median(redis_cpu)
+                    if redis_cpu[key]:
+                        table[f"{key}@{concurrency}"]["redis_cpu_per_request"] = statistics.median(redis_cpu[key])
                     row = table[f"{key}@{concurrency}"]
                     log(
                         f"sessions c={concurrency} {key}: {row['median_rps']:.0f} req/s, "
@@ -175,6 +182,13 @@ async def bench_sessions(mode_name: str, results: dict[str, Any], log: Any, befo
         "redis_store": store,
         "table": table,
     }
+
+
+def _has_session_store(directory: str) -> bool:
+    """Whether the package in ``directory`` has SESSION_STORE (a version after the fleet work began)."""
+    settings = os.path.join(directory, "asgi_lifetime", "_settings.py")
+    with open(settings, encoding="utf-8") as f:
+        return '"session_store"' in f.read()
 
 
 def _commit(directory: str | None) -> str | None:
