@@ -493,7 +493,10 @@ async def test_a_silent_redis_costs_the_request_nothing(caplog: pytest.LogCaptur
                 assert "no answer within 0.2s" in line  # the timeout path, not a refused connection
                 assert not subject.up and subject.fallbacks == 1
                 release = subject.pin("s")
-                subject.record(outcome("s", "a"))  # no await: decided in memory at once
+                with anyio.fail_after(0.1):  # down since the start: the admission does not ask Redis
+                    claim = await subject.claim("s", fp("a"), time.monotonic())
+                assert claim == "local"
+                subject.record(dataclasses.replace(outcome("s", "a"), claim=claim))  # decided in memory at once
                 assert changes.calls == [("a", "s", fp("a").wire_hash)] and subject.local_records == 1
                 release()
                 assert subject.pinned == 0
@@ -604,7 +607,8 @@ async def test_on_trio_the_book_falls_back_with_one_warning(caplog: pytest.LogCa
         assert "needs asyncio" in line
         assert not subject.up and subject.store_state() == _state(up=False, fallbacks=1)
         release = subject.pin("s")
-        subject.record(outcome("s", "a"))
+        assert await subject.claim("s", fp("a"), time.monotonic()) == "local"  # decided here, at the record
+        subject.record(dataclasses.replace(outcome("s", "a"), claim="local"))
         subject.record(outcome("s", "a"))
         assert len(changes.calls) == 1 and subject.local_records == 2
         release()
