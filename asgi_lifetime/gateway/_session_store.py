@@ -41,10 +41,11 @@ sessions in Redis, and keeps the in-memory book underneath as it always was:
   and their order only matters for counts and leases, not for the decision.
 - **Redis slow or down: the local book.** A call that fails or takes longer than the bound
   switches the book to its in-memory half: admissions do not ask Redis and records are decided
-  there (``on_change`` by this process alone), one warning line says so and ``asgi_lifetime_session_store_up`` drops to 0
-  (``..._fallbacks_total`` counts the switches). The task pings meanwhile; when Redis answers
-  again, one line says so, this process's leases are written again and records go back to
-  Redis. A full queue (Redis slower than the traffic) settles that one operation locally.
+  there (``on_change`` by this process alone), one warning line says so and
+  ``asgi_lifetime_session_store_up`` drops to 0 (``..._fallbacks_total`` counts the switches).
+  The task pings meanwhile; when Redis answers again, one line says so, this process's leases
+  are written again and admissions and records go back to Redis. A full queue (Redis slower
+  than the traffic) settles that one operation locally.
 
 redis-py's asyncio client runs on asyncio only. On another event loop (trio) the book says so
 in one warning line and stays on its in-memory half.
