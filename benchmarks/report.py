@@ -112,6 +112,8 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool, redraw: fro
         _overload(results, add)
     if "retain" in results:
         _retain(results, add)
+    if "sessions" in results:
+        _sessions(results, add)
     _changes(add)
     (out / "benchmarks.md").write_text("\n".join(lines) + "\n")
 
@@ -830,6 +832,63 @@ def _retain(results: dict[str, Any], add: Any) -> None:
         "the container's memory cgroup like any file written, but reclaimable, and never written to the disk if "
         "the file is closed before the kernel's writeback (30 s by default); see the operators guide. The "
         "re-issue from disk sends the identical bytes: `tests/gateway/test_spill.py`."
+    )
+    add("")
+
+
+def _sessions(results: dict[str, Any], add: Any) -> None:
+    se = results["sessions"]
+    table = se["table"]
+    base = "before" if se.get("before") else "memory"
+    add("## 9. The session book: in memory, before the fleet work, in Redis")
+    add("")
+    add(
+        f"Small streamed requests ({se['body_size']} bytes, 16 tokens from the demo upstream), each with an "
+        "`x-session-id` (one session per connection), closed loop, the targets interleaved in "
+        f"{se['slices']} slices of {se['seconds'] / se['slices']:.1f} s each per concurrency: this checkout with "
+        "`SESSION_STORE=memory` (the default), "
+        + (
+            f"the package before the fleet work (`{se['before_commit']}`, `--before DIR`), "
+            if se.get("before")
+            else "(no `--before DIR`: the package before the fleet work was not measured), "
+        )
+        + "and this checkout with `SESSION_STORE=redis://` (a local `redis-server`: the change claimed at "
+        "admission, one round trip per request). CPU: the gateway process's user + system time per answered "
+        f"request; medians over the slices. Ratios to `{base}`: the median of the per-slice ratios (each slice "
+        "runs the targets one after the other, so a slice's ratio compares like with like on a shared "
+        "machine). Reproduce with "
+        "`.venv/bin/python -m benchmarks.run --only sessions --before DIR`."
+    )
+    add("")
+    add("| concurrency | target | CPU per request | ratio | requests/s | ratio | errors |")
+    add("|---|---|---|---|---|---|---|")
+    for key in sorted(
+        table,
+        key=lambda k: (
+            table[k]["concurrency"],
+            ["before", "memory", "before_redis", "redis"].index(table[k]["target"]),
+        ),
+    ):
+        row = table[key]
+        ref = table.get(f"{base}@{row['concurrency']}", row)
+        cpu, rps = row["median_cpu_per_request"], row["median_rps"]
+        cpu_ratio = statistics.median(
+            a / b for a, b in zip(row["cpu_per_request"], ref["cpu_per_request"], strict=True)
+        )
+        rps_ratio = statistics.median(a / b for a, b in zip(row["rps"], ref["rps"], strict=True))
+        extra = ""
+        if "redis_cpu_per_request" in row:
+            extra = f" (+ redis-server {row['redis_cpu_per_request'] * 1e3:.3f} ms)"
+        add(
+            f"| {row['concurrency']} | {row['target']} | {cpu * 1e3:.3f} ms{extra} | "
+            f"{cpu_ratio:.2f} | {rps:.0f} | {rps_ratio:.2f} | {row['errors']} |"
+        )
+    store = se.get("redis_store", {})
+    add("")
+    add(
+        f"After the run the Redis gateway had `session_store_up` {store.get('session_store_up', '?')} and "
+        f"`session_store_fallbacks_total` {store.get('session_store_fallbacks_total', '?')} (a fallback: one call "
+        "past `SESSION_STORE_TIMEOUT`, 0.25 s; the requests it covered were decided in memory)."
     )
     add("")
 

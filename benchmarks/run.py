@@ -35,6 +35,7 @@ from benchmarks.client import Connection, Result
 from benchmarks.overload import bench_overload
 from benchmarks.rss import Sampler
 from benchmarks.servers import Server
+from benchmarks.session_book import bench_sessions
 
 MiB = 1024 * 1024
 ROOT = Path(__file__).resolve().parent.parent
@@ -616,7 +617,14 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--smoke", action="store_true", help="1 MiB, one shape, no plots (the test suite's check)")
     parser.add_argument("--out", type=Path, default=None, help="where benchmarks.md and the plots go (docs/)")
     parser.add_argument(
-        "--only", default="", help="comma-separated: memory,steady,overhead,ttfb,fingerprint,codec,overload,retain"
+        "--only",
+        default="",
+        help="comma-separated: memory,steady,overhead,ttfb,fingerprint,codec,overload,retain,sessions",
+    )
+    parser.add_argument(
+        "--before",
+        default=None,
+        help="sessions: a checkout of the package before the fleet work (DIR/asgi_lifetime), measured beside",
     )
     parser.add_argument("--report-only", action="store_true", help="rebuild the page from the stored results")
     args = parser.parse_args(argv)
@@ -653,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         ("codec", lambda: bench_codec(mode, results)),
         ("overload", lambda: anyio.run(bench_overload, mode.name, results, log)),
         ("retain", lambda: anyio.run(bench_retain, mode, results)),
+        ("sessions", lambda: anyio.run(bench_sessions, mode.name, results, log, args.before)),
     ]
     for name, step in steps:
         if only and name not in only:

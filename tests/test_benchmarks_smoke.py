@@ -40,6 +40,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
         "## 5. Fingerprint cost",
         "## 6. JSON codec",
         "## 7. Overload",
+        "## 9. The session book",
     ):
         assert heading in page
     results = json.loads((tmp_path / "benchmarks.json").read_text())
@@ -47,6 +48,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     record = results["memory"]["grid"][0]
     assert record["size"] > 1024 * 1024 - 65536 and record["peak_prepare"] > 0
     assert all(entry["errors"] == 0 and entry["requests"] > 0 for entry in results["overhead"]["table"].values())
+    assert all(row["errors"] == 0 and row["median_rps"] > 0 for row in results["sessions"]["table"].values())
     assert not list(tmp_path.glob("*.png"))  # --smoke draws no plots
     for overload_round in results["overload"]["rounds"]:
         for key, runs in overload_round["runs"].items():

@@ -30,7 +30,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final, Literal, Protocol, get_args, runtime_checkable
+from typing import ClassVar, Final, Literal, Protocol, get_args, runtime_checkable
 
 import anyio
 from blake3 import blake3
@@ -41,6 +41,7 @@ from .._stats import Counters
 
 __all__ = [
     "OUTCOMES",
+    "Claim",
     "Ending",
     "SESSION_KEY_BYTES",
     "Bookkeeper",
@@ -59,6 +60,14 @@ Ending = Literal["complete", "client_disconnected", "stalled", "starved", "upstr
 
 OUTCOMES: Final = frozenset(get_args(Ending))
 """The values ``Outcome.outcome`` may take."""
+
+Claim = Literal["claimed", "synced", "local"]
+"""What a shared session book decided when it admitted a request (``Outcome.claim``):
+
+- ``"claimed"``: the fleet gave this request its session's change; its record runs ``on_change``.
+- ``"synced"``: the fleet already has this wire hash (an earlier or concurrent request claimed it).
+- ``"local"``: the shared store could not be asked in time; this process's book decides at the record.
+"""
 
 SESSION_KEY_BYTES: Final = 16
 """Size of the digest the book keys sessions by (128 bits: collisions are not a practical concern)."""
@@ -97,6 +106,9 @@ class Outcome:
     """Monotonic time the response ended."""
     outcome: str
     """One of ``OUTCOMES``."""
+    claim: Claim | None = None
+    """A shared session book's decision at admission (see ``Claim``); ``None`` when none was made (no
+    session id, the in-memory book, which decides at the record)."""
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -238,6 +250,10 @@ class SessionBook:
 
     __slots__ = ("_max_sessions", "_counters", "_on_change", "_entries", "_pins", "recomputations")
 
+    claims_at_admission: ClassVar[bool] = False
+    """Whether the forwarder awaits ``claim`` at admission. This book decides at the record: the
+    single-process path adds no await."""
+
     def __init__(
         self,
         *,
@@ -291,6 +307,13 @@ class SessionBook:
         else:
             del self._pins[key]
             self._evict()
+
+    async def claim(self, session_id: str, fingerprint: Fingerprint, started: float) -> Claim | None:
+        """Decide at admission whether this request carries its session's change (``Outcome.claim``).
+
+        Awaited only where ``claims_at_admission`` is true. This book decides at the record: ``None``.
+        """
+        return None
 
     def record(self, outcome: Outcome) -> None:
         session_id = outcome.session_id

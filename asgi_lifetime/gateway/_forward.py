@@ -22,7 +22,7 @@ from .._asgi import is_json, send_error, single_field, upstream_path, wait_disco
 from .._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
 from .._middleware import Lifetime, RequestLifetime
 from .._resources import RequestResources, Resource
-from ._bookkeeping import Bookkeeper, Outcome, SessionBook, record_outcome
+from ._bookkeeping import Bookkeeper, Claim, Outcome, SessionBook, record_outcome
 from ._memory import trim_after_large_request
 from ._prepare import Prepared, Preparer, prepare
 from ._refold import Conversation, Refold, default_refold
@@ -87,6 +87,9 @@ class Forwarder:
         self.refold_factory = refold_factory
         self.stop = stop
         self._session_header = self.settings.session_header.lower().encode("latin-1")
+        # A shared book decides a session's change at admission; not if it records nothing (replaced by a
+        # bookkeeper of the caller's): its claim would never run on_change.
+        self._claims = book.claims_at_admission and any(each is book for each in self.bookkeepers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state: RequestLifetime = scope["state"]["lifetime"]
@@ -95,10 +98,13 @@ class Forwarder:
         session_id: str | None = None
         status, outcome, bytes_out, first_byte_at = 0, "error", 0, None
         attempts, upstream_url = 0, None
+        claim: Claim | None = None
         try:
             session_id = self._session_id(scope)
             if session_id is not None:
                 resources.add(self.book.pin(session_id))
+                if self._claims:  # bounded by SESSION_STORE_TIMEOUT; the in-memory book never gets here
+                    claim = await self.book.claim(session_id, state.fingerprint, started)
             prepared, held = await self._prepare(scope, receive, state, session_id)
             try:
                 response = await self._forward(prepared, held, receive, session_id)
@@ -133,6 +139,7 @@ class Forwarder:
                 first_byte_at=first_byte_at,
                 ended=time.monotonic(),
                 outcome=outcome,
+                claim=claim,
             )
             for bookkeeper in self.bookkeepers:
                 await record_outcome(bookkeeper, finished)

@@ -9,33 +9,43 @@ sessions in Redis, and keeps the in-memory book underneath as it always was:
   ``session_key`` digest (never the id itself), a hash of the same scalars as ``SessionEntry``:
   wire hash, verdict, size, request and byte counts, last status, outcome and time. Each record
   renews its ``SESSION_TTL``. Nothing of the body, raw or parsed, is ever sent.
-- **on_change once in the fleet.** The record and the wire-hash compare-and-update are one
-  server-side script: of several replicas recording the same change, exactly one is told it
-  changed, and only that one runs ``on_change``. If ``on_change`` raises, the claim is undone, so
-  the session's next record (on any replica) runs it again, as the in-memory book does. A
-  replica that dies between the claim and the end of ``on_change`` loses that run. Records are
-  ordered by their request's admission (wall clock), not by when they reach Redis: a record that
-  arrives after a newer one of its session is counted but claims nothing and moves no hash back
-  (its change, if it was one, is already superseded). Replicas on different hosts need clocks
-  closer than a session's requests are apart.
+- **on_change exactly once in the fleet, decided at admission.** Before a request with a session
+  id is forwarded, the forwarder awaits ``claim``: one server-side script that compares the wire
+  hash (known at admission: the fingerprint is taken before any preparer) with the session's
+  claimed hash and, if they differ, sets it. A session's next turn is admitted only after this
+  turn's answer was sent, so the order in which Redis runs the claims is the order of the turns:
+  every change between two successive turns is claimed by exactly one request, wherever its
+  record lands and however late. Of several replicas admitting the same hash, one claims it.
+  ``on_change`` still runs at the record (the end of the response, as in the in-memory book), in
+  the process whose admission claimed it, for every record whatever its status (a failed or
+  disconnected request's change is still a change, as in one process). If ``on_change`` raises, the
+  claim is given back, so the session's next request (on any replica) runs it again. A replica
+  that dies between its claim and the end of ``on_change`` (its requests in flight) loses those
+  runs: the change is claimed, and a re-send of the same body elsewhere finds it so.
+  ``record`` without a claim (a caller that uses the book alone) is decided when it reaches Redis,
+  ordered by admission (wall clock): a record that arrives after a newer one (or after a newer
+  claim) is counted but claims nothing and moves no hash back. Replicas on different hosts need
+  clocks closer than a session's requests are apart for that ordering only.
 - **Pins are leases.** A pin is also a member of the session's lease set in Redis, taken at
   admission, renewed every third of ``SESSION_LEASE`` while the response streams, removed at
   settle. A replica that dies stops renewing: its pins are gone within ``SESSION_LEASE``. While
   a session has a lease, its entry's TTL is renewed too.
-- **The request never waits on Redis.** ``pin``, the release and ``record`` only update the
-  in-memory book and put a small operation on a bounded queue; they never await. One task per
-  book (``run``: started by the app's lifespan) writes the queue to Redis and renews the leases,
-  each call bounded by ``SESSION_STORE_TIMEOUT``. Why a queue and not an awaited call with a
-  timeout: the forwarder pins synchronously at admission and its release runs at settle, on
-  every path, cancellation included, where an await would have to be shielded and would hold
-  the request open; and a slow Redis would add its delay to every request rather than to one
-  background task.
+- **The request waits on Redis once, at admission, for at most ``SESSION_STORE_TIMEOUT``.**
+  The claim is the only awaited call: shielded (a request cancelled meanwhile still knows what it
+  claimed, and its record runs it) and bounded; past the bound the book falls back (below) and
+  the request is decided by this process's memory. ``pin``, the release and ``record`` only
+  update the in-memory book and put a small operation on a bounded queue; they never await. One
+  task per book (``run``: started by the app's lifespan) writes the queue to Redis and renews the
+  leases, each call bounded by ``SESSION_STORE_TIMEOUT``. Why a queue for those: the release runs
+  at settle, on every path, cancellation included, where an await would hold the request open;
+  and their order only matters for counts and leases, not for the decision.
 - **Redis slow or down: the local book.** A call that fails or takes longer than the bound
-  switches the book to its in-memory half: records are decided there (``on_change`` by this
-  process alone), one warning line says so and ``asgi_lifetime_session_store_up`` drops to 0
-  (``..._fallbacks_total`` counts the switches). The task pings meanwhile; when Redis answers
-  again, one line says so, this process's leases are written again and records go back to
-  Redis. A full queue (Redis slower than the traffic) settles that one operation locally.
+  switches the book to its in-memory half: admissions do not ask Redis and records are decided
+  there (``on_change`` by this process alone), one warning line says so and
+  ``asgi_lifetime_session_store_up`` drops to 0 (``..._fallbacks_total`` counts the switches).
+  The task pings meanwhile; when Redis answers again, one line says so, this process's leases
+  are written again and admissions and records go back to Redis. A full queue (Redis slower
+  than the traffic) settles that one operation locally.
 
 redis-py's asyncio client runs on asyncio only. On another event loop (trio) the book says so
 in one warning line and stays on its in-memory half.
@@ -45,7 +55,8 @@ book = RedisSessionBook("redis://127.0.0.1:6379/0", max_sessions=10_000, on_chan
 async with anyio.create_task_group() as tg:
     await tg.start(book.run)                    # connects (bounded), then writes and renews
     unpin = book.pin("sess-1")                  # never awaits
-    book.record(outcome)
+    claim = await book.claim("sess-1", fingerprint, started)    # at admission: bounded, shielded
+    book.record(dataclasses.replace(outcome, claim=claim))      # runs on_change if claimed
     unpin()
     tg.cancel_scope.cancel()                    # releases this process's leases on the way out
 ```
@@ -74,7 +85,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._fingerprint import Fingerprint
 from .._middleware import Lifetime
 from .._settings import LifetimeSettings, redact_url
-from ._bookkeeping import Outcome, SessionBook, SessionEntry, StoreState, session_key
+from ._bookkeeping import Claim, Outcome, SessionBook, SessionEntry, StoreState, session_key
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -96,15 +107,38 @@ _BATCH: Final = 256
 # While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
 _RETRY_INTERVAL: Final = 1.0
 
+# The claim at admission. KEYS[1] the session's entry. ARGV: wire hash, TTL in ms, wall-clock admission.
+# Returns 1 if this call changed the synced hash (the request's record runs on_change), else 0. Awaited by
+# the request before it is forwarded: a session's next turn is admitted only after this one's answer was
+# sent, so the order in which Redis runs the claims is the order of the turns. 'admitted' (the newest
+# admission that asked) keeps a record decided at settle (one not claimed at admission) from claiming a
+# change a newer turn has already claimed.
+_CLAIM: Final = """
+local admitted = redis.call('HGET', KEYS[1], 'admitted')
+if not admitted or tonumber(ARGV[3]) > tonumber(admitted) then
+  redis.call('HSET', KEYS[1], 'admitted', ARGV[3])
+end
+local synced = redis.call('HGET', KEYS[1], 'synced_hash')
+if synced == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 0
+end
+redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
 # KEYS[1] the session's entry. ARGV: wire hash, verdict (0/1), size, bytes out, status, outcome, wall-clock
-# end, TTL in ms, wall-clock start (admission). Returns {1 if this call changed the synced hash (the caller
-# runs on_change) else 0, the synced hash or ''}. One script: the compare-and-update is atomic.
+# end, TTL in ms, wall-clock start (admission), 1 if the record decides the change (it was not claimed at
+# admission) else 0. Returns {1 if this call changed the synced hash (the caller runs on_change) else 0,
+# the synced hash or ''}. One script: the compare-and-update is atomic.
 # Records reach Redis through per-process queues, so one can arrive after a newer record of its session
 # (sent by another worker or replica): the order that counts is the requests' admission, not the arrival.
 # A record older than the newest one taken (an earlier 'started') is counted (requests, bytes) but
-# describes nothing current: it neither claims a change nor moves the hashes back. Admission, not the
-# end: a response ends (and is recorded) after its client has it, so the client's next request, on
-# another process, can end first; it cannot start first.
+# describes nothing current: it neither claims a change nor moves the hashes back; nor does a deciding
+# record older than the newest claim at admission. Admission, not the end: a response ends (and is
+# recorded) after its client has it, so the client's next request, on another process, can end first;
+# it cannot start first.
 _RECORD: Final = """
 local started = tonumber(ARGV[9])
 local newest = redis.call('HGET', KEYS[1], 'started')
@@ -121,6 +155,13 @@ if newest and started < tonumber(newest) then
 end
 redis.call('HSET', KEYS[1], 'wire_hash', ARGV[1], 'text_comparable', ARGV[2], 'size', ARGV[3],
            'last_status', ARGV[5], 'last_outcome', ARGV[6], 'started', ARGV[9])
+if ARGV[10] == '0' then
+  return {0, synced or ''}
+end
+local admitted = redis.call('HGET', KEYS[1], 'admitted')
+if admitted and started < tonumber(admitted) then
+  return {0, synced or ''}
+end
 if synced == ARGV[1] then
   return {0, synced}
 end
@@ -199,19 +240,30 @@ class _Record:
     clocks of two hosts do not compare)."""
     seen: float
     """Wall-clock end of the response."""
+    decides: bool
+    """True if Redis decides the change now (no claim at admission); False: the scalars only."""
 
 
-_Op = _Take | _Give | _Record
+@dataclass(frozen=True, slots=True)
+class _Unclaim:
+    """``on_change`` failed for a change claimed at admission: give the claim back."""
+
+    key: bytes
+    wire_hash: str
+
+
+_Op = _Take | _Give | _Record | _Unclaim
 _State = Literal["idle", "starting", "up", "down"]
 
 
 class _Conn:
     """The client and its scripts, for as long as ``run`` runs."""
 
-    __slots__ = ("client", "record", "unclaim", "renew", "live")
+    __slots__ = ("client", "claim", "record", "unclaim", "renew", "live")
 
     def __init__(self, client: Redis) -> None:
         self.client = client
+        self.claim: AsyncScript = client.register_script(_CLAIM)
         self.record: AsyncScript = client.register_script(_RECORD)
         self.unclaim: AsyncScript = client.register_script(_UNCLAIM)
         self.renew: AsyncScript = client.register_script(_RENEW)
@@ -269,7 +321,9 @@ class RedisSessionBook(SessionBook):
     ```
 
     The same interface as ``SessionBook`` (``pin`` returns the release, ``record`` takes an
-    ``Outcome``), neither of which awaits; the in-memory entries (``get``, ``len``) are this
+    ``Outcome``), neither of which awaits, and ``claim``, which the forwarder awaits at admission
+    (``claims_at_admission``: one bounded script call) and whose answer the record carries
+    (``Outcome.claim``); the in-memory entries (``get``, ``len``) are this
     process's view, and decide alone while Redis cannot (see the module docstring). ``lookup``
     and ``live_leases`` read what the fleet shares.
 
@@ -278,6 +332,8 @@ class RedisSessionBook(SessionBook):
     seconds a pin outlives a replica that stopped renewing it. ``timeout``: the bound on each call
     to Redis, at most half of ``lease``.
     """
+
+    claims_at_admission = True
 
     __slots__ = (
         "_url",
@@ -369,15 +425,61 @@ class RedisSessionBook(SessionBook):
         if key is not None:
             self._submit(_Give(key, member))  # if dropped, the lease runs out: nobody renews it now
 
+    async def claim(self, session_id: str, fingerprint: Fingerprint, started: float) -> Claim | None:
+        """At admission: ask Redis whether this request carries its session's change (one script call).
+
+        Bounded by ``timeout`` and shielded (a cancelled request still knows what it claimed, and its record
+        says so); past the bound or on an error the book falls back, and the request is ``"local"``: decided by
+        this process's memory at its record. ``started``: ``time.monotonic()`` at admission.
+        """
+        conn = self._conn
+        if self._state != "up" or conn is None:
+            if self._state == "idle":
+                self._warn_idle()
+            return "local"
+        admitted = started + time.time() - time.monotonic()  # wall clock: the fleet's hosts compare it
+        args: list[str | int] = [fingerprint.wire_hash, self._ttl_ms, repr(admitted)]
+        try:
+            with anyio.fail_after(self._timeout, shield=True):
+                answer: Any = await conn.claim(keys=[entry_key(session_key(session_id))], args=args)
+        except Exception as exc:  # whatever it is, the fleet did not decide: this process does
+            self._fall_back(_why(exc, self._timeout))
+            return "local"
+        return "claimed" if int(answer) else "synced"
+
     def record(self, outcome: Outcome) -> None:
         session_id = outcome.session_id
         if session_id is None:
             return
         entry = self._update(session_id, outcome)
-        offset = time.time() - time.monotonic()  # monotonic -> wall clock, for the fleet's comparisons
-        if not self._submit(_Record(session_id, outcome, outcome.started + offset, outcome.ended + offset)):
+        claim = outcome.claim
+        if claim == "local":
             self.local_records += 1
             self._sync(session_id, outcome.fingerprint, entry)
+            return
+        offset = time.time() - time.monotonic()  # monotonic -> wall clock, for the fleet's comparisons
+        op = _Record(session_id, outcome, outcome.started + offset, outcome.ended + offset, decides=claim is None)
+        if claim is None:  # not claimed at admission (a caller of record alone): Redis decides now
+            if not self._submit(op):
+                self.local_records += 1
+                self._sync(session_id, outcome.fingerprint, entry)
+            return
+        self._submit(op)  # the scalars only: the change was decided at admission (if dropped, Redis misses a count)
+        self._run_claimed(session_id, outcome.fingerprint, entry, claimed=claim == "claimed")
+
+    def _run_claimed(self, session_id: str, fp: Fingerprint, entry: SessionEntry, *, claimed: bool) -> None:
+        """The fleet decided at admission: run ``on_change`` if this request claimed the change."""
+        if claimed:
+            self.recomputations += 1
+            if self._on_change is not None:
+                try:
+                    self._on_change(session_id, fp)
+                except Exception:
+                    # The session's next request (on any replica) claims it again, as the in-memory book would.
+                    if not self._submit(_Unclaim(session_key(session_id), fp.wire_hash)):
+                        logger.warning("on_change failed and its claim could not be given back (session store down)")
+                    raise
+        entry.synced_hash = fp.wire_hash  # the fleet has run on_change for it (here or elsewhere)
 
     def _submit(self, op: _Op) -> bool:
         """Queue ``op`` for the task; False if it must be settled here (Redis not up, queue full)."""
@@ -470,7 +572,7 @@ class RedisSessionBook(SessionBook):
                 self._settle_here(op)
             return
         for op, answer in zip(ops, answers, strict=True):
-            if isinstance(op, _Record):
+            if isinstance(op, _Record) and op.decides:
                 changed, synced = answer
                 await self._decided(conn, op, bool(changed), _text(synced) or None)
 
@@ -483,6 +585,9 @@ class RedisSessionBook(SessionBook):
         if isinstance(op, _Give):
             pipe.zrem(leases_key(op.key), op.member)
             return
+        if isinstance(op, _Unclaim):
+            await conn.unclaim(keys=[entry_key(op.key)], args=[op.wire_hash], client=pipe)
+            return
         fp, outcome = op.outcome.fingerprint, op.outcome
         args: list[str | int] = [
             fp.wire_hash,
@@ -494,6 +599,7 @@ class RedisSessionBook(SessionBook):
             repr(op.seen),
             self._ttl_ms,
             repr(op.started),
+            int(op.decides),
         ]
         await conn.record(keys=[entry_key(session_key(op.session_id))], args=args, client=pipe)
 
@@ -526,8 +632,9 @@ class RedisSessionBook(SessionBook):
 
     def _settle_here(self, op: _Op) -> None:
         """An operation Redis did not take. A lease: the renewals restore it (or it runs out). A record:
-        decided by the in-memory book, as the request would have had Redis been unused."""
-        if not isinstance(op, _Record):
+        decided by the in-memory book, as the request would have had Redis been unused (unless it was
+        decided at admission). A claim to give back: kept (the next record of that hash does not run it)."""
+        if not isinstance(op, _Record) or not op.decides:
             return
         self.local_records += 1
         entry = self._entries.get(session_key(op.session_id))
@@ -620,15 +727,16 @@ class RedisSessionBook(SessionBook):
         if not raw:
             return None
         fields = {_text(k): _text(v) for k, v in raw.items()}
+        # A session claimed at admission has no record yet until its first response ends.
         return SessionEntry(
-            wire_hash=fields["wire_hash"],
-            text_comparable=fields["text_comparable"] == "1",
-            size=int(fields["size"]),
+            wire_hash=fields.get("wire_hash", ""),
+            text_comparable=fields.get("text_comparable") == "1",
+            size=int(fields.get("size", 0)),
             requests=int(fields.get("requests", 0)),
             bytes_out=int(fields.get("bytes_out", 0)),
-            last_status=int(fields["last_status"]),
-            last_outcome=fields["last_outcome"],
-            last_seen=float(fields["last_seen"]),
+            last_status=int(fields.get("last_status", 0)),
+            last_outcome=fields.get("last_outcome", ""),
+            last_seen=float(fields.get("last_seen", 0.0)),
             synced_hash=fields.get("synced_hash"),
         )
 

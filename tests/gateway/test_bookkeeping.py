@@ -87,6 +87,8 @@ _SCALARS = (str, int, float, bool, type(None))
 def _hint_types(hint: object) -> set[object]:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return {t for arg in typing.get_args(hint) for t in _hint_types(arg)}
+    if typing.get_origin(hint) is typing.Literal:  # a choice of constants: their types
+        return {type(arg) for arg in typing.get_args(hint)}
     return {hint}
 
 

@@ -493,7 +493,10 @@ async def test_a_silent_redis_costs_the_request_nothing(caplog: pytest.LogCaptur
                 assert "no answer within 0.2s" in line  # the timeout path, not a refused connection
                 assert not subject.up and subject.fallbacks == 1
                 release = subject.pin("s")
-                subject.record(outcome("s", "a"))  # no await: decided in memory at once
+                with anyio.fail_after(0.1):  # down since the start: the admission does not ask Redis
+                    claim = await subject.claim("s", fp("a"), time.monotonic())
+                assert claim == "local"
+                subject.record(dataclasses.replace(outcome("s", "a"), claim=claim))  # decided in memory at once
                 assert changes.calls == [("a", "s", fp("a").wire_hash)] and subject.local_records == 1
                 release()
                 assert subject.pinned == 0
@@ -604,7 +607,8 @@ async def test_on_trio_the_book_falls_back_with_one_warning(caplog: pytest.LogCa
         assert "needs asyncio" in line
         assert not subject.up and subject.store_state() == _state(up=False, fallbacks=1)
         release = subject.pin("s")
-        subject.record(outcome("s", "a"))
+        assert await subject.claim("s", fp("a"), time.monotonic()) == "local"  # decided here, at the record
+        subject.record(dataclasses.replace(outcome("s", "a"), claim="local"))
         subject.record(outcome("s", "a"))
         assert len(changes.calls) == 1 and subject.local_records == 2
         release()
@@ -752,3 +756,260 @@ async def test_nothing_of_the_body_reaches_redis(server: RedisServer, stream: bo
         assert b"say " not in seen and b"messages" not in seen
     finally:
         monitor.close()
+
+
+# --- the change decided at admission ----------------------------------------------------------------
+
+
+def turn(n: int) -> dict[str, Any]:
+    """Turn ``n`` of one conversation: each turn's body differs from the previous one's (a real change)."""
+    return {**CHAT, "messages": [{"role": "user", "content": f"turn {i}"} for i in range(1, n + 1)]}
+
+
+@contextlib.asynccontextmanager
+async def replica(
+    store: str, upstream: str, changes: Changes, name: str, *, bound: float = 4.0
+) -> AsyncIterator[tuple[httpx.AsyncClient, RedisSessionBook]]:
+    """A gateway app with its lifespan (its book's task), and a client on it (httpx's ASGI transport)."""
+    settings = LifetimeSettings(upstream_url=(upstream,), session_store=store, session_store_timeout=bound)
+    app = create_app(settings, on_change=changes.of(name))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url=f"http://{name}.test") as client:
+            yield client, app.state.book
+            assert app.state.lifetime.stats().idle
+
+
+def hashes(changes: Changes) -> list[str]:
+    return sorted(h for _, _, h in changes.calls)
+
+
+@ASYNCIO
+async def test_a_turn_recorded_after_the_next_turn_still_runs_on_change(server: RedisServer) -> None:
+    """Turn 1 is answered by replica a, turn 2 by replica b; a's record reaches Redis after b's (its
+    connection stalls, within the bound). Decided at the record, turn 1's change was superseded and never
+    ran ``on_change``; decided at admission, each turn's change runs it once, on the replica that claimed it.
+    """
+    changes = Changes()
+    proxy = FreezingProxy(server.port)
+    with respx.mock(assert_all_called=True) as router:
+
+        def stall_a(request: httpx.Request) -> httpx.Response:
+            proxy.freeze()  # a's claim is in; what a writes from now on waits
+            return httpx.Response(200, json=OK)
+
+        router.post(f"http://upstream-a.test{PATH}").mock(side_effect=stall_a)
+        router.post(f"http://upstream-b.test{PATH}").respond(200, json=OK)
+        async with (
+            proxy.serving() as via_proxy,
+            replica(via_proxy, "http://upstream-a.test", changes, "a") as (a, book_a),
+            replica(server.url, "http://upstream-b.test", changes, "b") as (b, book_b),
+        ):
+            headers = {"x-session-id": "conv"}
+            assert (await a.post(PATH, json=turn(1), headers=headers)).status_code == 200
+            assert (await b.post(PATH, json=turn(2), headers=headers)).status_code == 200
+            await settled(book_b)  # turn 2's record is in Redis; turn 1's still waits at the proxy
+            assert await requests_in_redis(book_b, "conv") == 1
+            proxy.thaw()
+            await until(lambda: _requests_are(book_b, "conv", 2))
+            await settled(book_a, book_b)
+            assert book_a.up and book_b.up  # no fallback: the stall stayed within the bound
+            entry = await book_b.lookup("conv")
+            assert entry is not None and entry.requests == 2
+    assert sorted(name for name, _, _ in changes.calls) == ["a", "b"]  # one run per turn, where it was claimed
+    assert len(set(hashes(changes))) == 2
+    assert book_a.local_records == book_b.local_records == 0
+
+
+# (wire hash tag, admission, end, book), in the order the records reach Redis (as LATE_DELIVERIES), each
+# request claimed at its admission, in admission order.
+ADMITTED_DELIVERIES: dict[str, _Delivery] = {
+    **{case: deliveries for case, (deliveries, _) in LATE_DELIVERIES.items()},
+    "turn 2's record after turn 3's": [("1", 1, 1.5, "a"), ("3", 3, 3.5, "b"), ("2", 2, 2.5, "a")],
+    "every record after the last turn's": [("4", 4, 4.5, "b"), ("1", 1, 1.5, "a"), ("2", 2, 2.5, "b"),
+                                           ("3", 3, 3.5, "a")],
+    "a re-send on the other replica, recorded first": [("2", 3, 3.5, "b"), ("1", 1, 1.5, "a"), ("2", 2, 2.5, "a")],
+}  # fmt: skip
+
+
+def _changes_in_admission_order(deliveries: _Delivery) -> list[tuple[str, str]]:
+    """(book, tag) of every admission whose wire hash differs from the previous admission's."""
+    result: list[tuple[str, str]] = []
+    previous = None
+    for tag, _, _, name in sorted(deliveries, key=lambda d: d[1]):
+        if tag != previous:
+            result.append((name, tag))
+        previous = tag
+    return result
+
+
+@ASYNCIO
+@pytest.mark.parametrize("case", list(ADMITTED_DELIVERIES))
+async def test_claimed_at_admission_every_change_runs_once_whatever_the_record_order(
+    server: RedisServer, case: str
+) -> None:
+    """Two replicas claim at admission (in the turns' order); the records then reach Redis in any order:
+    each change between two successive admissions runs ``on_change`` exactly once, on the replica that
+    admitted it, and an identical re-send runs nothing."""
+    deliveries = ADMITTED_DELIVERIES[case]
+    changes = Changes()
+    books = {name: book(server.url, changes.of(name)) for name in ("a", "b")}
+    origin = time.monotonic() - 100
+    async with started(*books.values()):
+        claims: dict[int, Any] = {}
+        for index, (tag, admitted, _, name) in sorted(enumerate(deliveries), key=lambda d: d[1][1]):
+            claims[index] = await books[name].claim("s", fp(tag), origin + admitted)
+        for index, (tag, admitted, ended, name) in enumerate(deliveries):
+            record = dataclasses.replace(
+                outcome("s", tag), started=origin + admitted, ended=origin + ended, claim=claims[index]
+            )
+            books[name].record(record)
+        await settled(*books.values())
+        assert await requests_in_redis(books["a"], "s") == len(deliveries)
+        entry = await books["a"].lookup("s")
+        newest = max(deliveries, key=lambda d: d[1])[0]
+        assert entry is not None and entry.synced_hash == entry.wire_hash == fp(newest).wire_hash
+    expected = _changes_in_admission_order(deliveries)
+    assert sorted(changes.calls) == sorted((name, "s", fp(tag).wire_hash) for name, tag in expected)
+    assert sorted(claims.values()).count("claimed") == len(expected)
+    assert set(claims.values()) <= {"claimed", "synced"}
+    assert sum(each.local_records for each in books.values()) == 0
+
+
+@ASYNCIO
+async def test_concurrent_requests_of_one_session_claim_each_change_in_the_order_redis_runs_them(
+    server: RedisServer,
+) -> None:
+    """Requests of one session admitted at the same moment on two replicas: Redis runs their claims one
+    after the other, and each claim whose hash differs from the one before it is a change."""
+    changes = Changes()
+    a, b = book(server.url, changes.of("a")), book(server.url, changes.of("b"))
+    async with started(a, b):
+        now = time.monotonic()
+        answers: dict[tuple[str, str], Any] = {}
+
+        async def admit(each: RedisSessionBook, name: str, tag: str) -> None:
+            answers[(name, tag)] = await each.claim("s", fp(tag), now)
+
+        async with anyio.create_task_group() as tg:  # the same hash on both: one claim
+            tg.start_soon(admit, a, "a", "x")
+            tg.start_soon(admit, b, "b", "x")
+        assert sorted(answers.values()) == ["claimed", "synced"]
+        answers.clear()
+        async with anyio.create_task_group() as tg:  # two hashes, each new: one claim each, whatever the order
+            tg.start_soon(admit, a, "a", "y")
+            tg.start_soon(admit, b, "b", "z")
+        assert sorted(answers.values()) == ["claimed", "claimed"]
+        entry = await a.lookup("s")
+        assert entry is not None and entry.synced_hash in (fp("y").wire_hash, fp("z").wire_hash)
+        assert await b.claim("s", fp("y"), now) == ("synced" if entry.synced_hash == fp("y").wire_hash else "claimed")
+
+
+@ASYNCIO
+async def test_a_failed_on_change_claimed_at_admission_is_claimed_again(server: RedisServer) -> None:
+    changes = Changes()
+    changes.fail.add("a")
+    a, b = book(server.url, changes.of("a")), book(server.url, changes.of("b"))
+    async with started(a, b):
+        now = time.monotonic()
+        claim = await a.claim("s", fp("x"), now)
+        assert claim == "claimed"
+        with pytest.raises(RuntimeError, match="on_change failed"):
+            a.record(dataclasses.replace(outcome("s", "x"), claim=claim))
+        await until(lambda: _unclaimed(a, "s"))  # given back through a's task
+        again = await b.claim("s", fp("x"), now + 1)  # the same body again, on the other replica
+        assert again == "claimed"
+        b.record(dataclasses.replace(outcome("s", "x"), claim=again))
+        assert await a.claim("s", fp("x"), now + 2) == "synced"
+    assert [name for name, _, _ in changes.calls] == ["a", "b"]
+
+
+@ASYNCIO
+async def test_a_redis_that_stops_answering_at_admission_costs_the_request_one_bound(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis takes the connection and never answers: the admission waits for ``SESSION_STORE_TIMEOUT``
+    and no longer, the book falls back (one line), the change is decided in this process."""
+    changes = Changes()
+    proxy = FreezingProxy(server.port)
+    bound = 0.5
+    with respx.mock(assert_all_called=True) as router:
+        router.post(f"{UPSTREAM}{PATH}").respond(200, json=OK)
+        async with proxy.serving() as url, replica(url, UPSTREAM, changes, "a", bound=bound) as (client, subject):
+            assert subject.up
+            proxy.freeze()
+            begun = time.monotonic()
+            response = await client.post(PATH, json=turn(1), headers={"x-session-id": "s"})
+            took = time.monotonic() - begun
+            assert response.status_code == 200
+            assert bound * 0.9 <= took < bound + WAIT / 2, took  # it waited for the bound, then went on
+            assert not subject.up and subject.fallbacks == 1
+            [line] = transitions(caplog)
+            assert f"no answer within {bound:g}s" in line
+            assert len(changes.calls) == 1 and subject.local_records == 1
+            response = await client.post(PATH, json=turn(1), headers={"x-session-id": "s"})  # down: not asked
+            assert response.status_code == 200
+            assert len(changes.calls) == 1 and subject.local_records == 2  # the same body: decided here, not again
+            proxy.thaw()
+            await until(lambda: subject.up)
+
+
+@ASYNCIO
+async def test_a_request_cancelled_during_its_claim_releases_everything_and_runs_its_change_once(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim is shielded and bounded: a request cancelled while Redis decides still knows what it
+    claimed; its record runs ``on_change`` (as a disconnected request's record always did), its pin and
+    lease are released, and the same body elsewhere is not a change again."""
+    changes = Changes()
+    proxy = FreezingProxy(server.port)
+    asking = anyio.Event()
+    claim = RedisSessionBook.claim
+
+    async def watched(self: RedisSessionBook, session_id: str, fingerprint: Fingerprint, started: float) -> Any:
+        asking.set()
+        return await claim(self, session_id, fingerprint, started)
+
+    monkeypatch.setattr(RedisSessionBook, "claim", watched)
+    with respx.mock(assert_all_called=False) as router:
+        router.post(f"{UPSTREAM}{PATH}").respond(200, json=OK)  # called or not: respx never yields
+        async with (
+            proxy.serving() as url,
+            replica(url, UPSTREAM, changes, "a") as (client, subject),
+            replica(server.url, UPSTREAM, changes, "b") as (_, other),
+        ):
+            proxy.freeze()
+            with anyio.fail_after(WAIT):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(functools.partial(client.post, PATH, json=turn(1), headers={"x-session-id": "s"}))
+                    await asking.wait()
+                    tg.cancel_scope.cancel()  # the request is cancelled while its claim waits on Redis...
+                    proxy.thaw()  # ...which answers within the bound
+            assert subject.up and subject.pinned == 0
+            assert [name for name, _, _ in changes.calls] == ["a"]  # its record ran the change it claimed
+            await settled(subject)  # what it queued (the lease, the record, the lease's release) is in Redis
+            assert await other.live_leases("s") == 0
+            assert await other.claim("s", fp("x"), time.monotonic()) == "claimed"  # another body: a change
+            entry = await other.lookup("s")
+            assert entry is not None and entry.requests == 1
+
+
+async def test_the_in_memory_book_is_not_asked_at_admission(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def never(*args: object) -> None:
+        raise AssertionError("the in-memory book decides at the record")
+
+    monkeypatch.setattr(SessionBook, "claim", never)
+    changes = Changes()
+    app = create_app(LifetimeSettings(upstream_url=(UPSTREAM,)), on_change=changes.of("memory"))
+    assert not app.state.book.claims_at_admission
+    with respx.mock(base_url=UPSTREAM, assert_all_called=True) as router:
+        router.post(PATH).respond(200, json=OK)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as client:
+                for body in (turn(1), turn(1), turn(2)):
+                    response = await client.post(PATH, json=body, headers={"x-session-id": "s"})
+                    assert response.status_code == 200
+    assert len(changes.calls) == 2
