@@ -23,7 +23,10 @@ else runs on the event loop meanwhile: the search is synchronous.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import gc
+import inspect
 import io
 import re
 import sys
@@ -101,10 +104,14 @@ class _Search:
         self.needle_bytes = needle.encode("utf-8")
         self.readers: dict[type, Callable[[object], bool | None]] = {}
         self.truncated = False  # the climb stopped before every path was followed
+        self.owned_roots: set[int] = set()  # functions only the probe or the test hold (``disown``)
         self.app = app
         self.objects = gc.get_objects()
         stack = list(_current_stack())
         self.skip = {id(obj) for obj in own} | {id(frame) for frame in stack}
+        # A function frame's ``f_locals`` dict (kept on the frame up to Python 3.12, once asked for)
+        # refers to the test's locals as the frame does; a module's frame has its globals there.
+        self.skip |= {id(frame.f_locals) for frame in stack if frame.f_code.co_flags & inspect.CO_OPTIMIZED}
         on_stack = {id(frame) for frame in stack}
         self.generator_frames: set[int] = set()
         for obj in self.objects:
@@ -256,7 +263,21 @@ class _Search:
             frontier = found
         else:
             self.truncated = True
+        self.disown([obj for refs in ups.values() for obj in refs] + start, snapshot, own_ends)
         return ups, own_ends
+
+    def disown(self, reached: list[object], snapshot: set[int], own_ends: set[int]) -> None:
+        """Functions that only the probe or the current stack hold (a ``body_factory`` closing over
+        the test's locals) are the test's: no root, an end of the probe's own."""
+        functions = {id(obj): obj for obj in reached if type(obj) is types.FunctionType and obj is not self.app}
+        if not functions:
+            return
+        held: set[int] = set()
+        for ref in gc.get_referrers(*functions.values()):
+            if id(ref) in snapshot and id(ref) not in self.skip:
+                held.update(id(obj) for obj in gc.get_referents(ref) if id(obj) in functions)
+        self.owned_roots = functions.keys() - held
+        own_ends |= self.owned_roots
 
     def climb_batch(
         self,
@@ -304,7 +325,7 @@ class _Search:
             node = queue.popleft()
             if shortest is not None and depth[id(node)] > shortest + _DETOUR:
                 break
-            root = self.root(node)
+            root = None if id(node) in self.owned_roots else self.root(node)
             if root is not None:
                 shortest = depth[id(node)] if shortest is None else shortest
                 # Paths that reach the same object through cells, closures or frames are one.
@@ -325,8 +346,9 @@ class _Search:
         if not best:
             if own_ends & parents.keys():
                 return []
-            unseen = "whose holders were not searched further" if self.truncated else "held by nothing the gc can see"
-            return [(f"{_type_name(top)} object {unseen},", _down(top, parents))]
+            # Held from a C stack (another thread's call in progress) or a C extension's field.
+            unseen = "holders not searched further" if self.truncated else "held by nothing the gc can see"
+            return [(f"({unseen}) {_type_name(top)}", _down(top, parents))]
         chosen = sorted(best.values(), key=lambda item: (item[1], item[0]))[:_MAX_ROUTES]
         return [(label, _down(root, parents)) for _, _, label, root in chosen]
 
@@ -355,6 +377,7 @@ class _Search:
     # --- rendering -----------------------------------------------------------------------------
 
     def render(self, chain: list[object]) -> str:
+        chain = _through_contexts(chain)
         return "".join(self.edge(chain[i - 1], chain[i], chain[i - 2] if i > 1 else None) for i in range(1, len(chain)))
 
     def edge(self, parent: object, child: object, grand: object) -> str:
@@ -399,6 +422,9 @@ def _object_edge(parent: object, child: object) -> str:
         return ""
     if isinstance(parent, memoryview):
         return " (a memoryview)"
+    if type(parent) is contextvars.Context:
+        names = [var.name for var, value in parent.items() if value is child]
+        return f"[ContextVar {names[0]!r}]" if names else " (a context's mapping)"
     if type(parent).__name__ == "managedbuffer":
         return ""
     if child is _dict_of(parent):
@@ -525,7 +551,11 @@ def _attributes(obj: object) -> Iterator[tuple[str, object]]:
                 yield slot, object.__getattribute__(obj, slot)
             except Exception:  # an empty slot, or a descriptor that fails
                 continue
-    for name in ("__self__", "__func__", "__traceback__", "__cause__", "__context__", "tb_frame", "tb_next"):
+    names: tuple[str, ...] = ("__self__", "__func__", "__traceback__", "__cause__", "__context__")
+    names += ("tb_frame", "tb_next")
+    if issubclass(type(obj), (BaseException, functools.partial)):
+        names = ("args", "keywords", "func", *names)  # C members, in no __dict__
+    for name in names:
         try:
             yield name, object.__getattribute__(obj, name)
         except Exception:
@@ -598,6 +628,16 @@ def _short(key: object) -> str:
     except Exception:
         text = f"<{_type_name(key)}>"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _through_contexts(chain: list[object]) -> list[object]:
+    """``chain`` without the nodes of a context's mapping between a ``Context`` and its value."""
+    for i, node in enumerate(chain):
+        if type(node) is contextvars.Context:
+            values = {id(value) for value in node.values()}
+            end = next((j for j in range(i + 1, len(chain)) if id(chain[j]) in values), i + 1)
+            return [*chain[: i + 1], *_through_contexts(chain[end:])]
+    return chain
 
 
 def _down(node: object, parents: dict[int, object | None]) -> list[object]:
