@@ -274,7 +274,10 @@ class _Search:
             return
         held: set[int] = set()
         for ref in gc.get_referrers(*functions.values()):
-            if id(ref) in snapshot and id(ref) not in self.skip:
+            # A stack local referring to it is the test's or the probe's (the ``**options`` dict
+            # that passed it on), unless it is the app.
+            own = id(ref) in self.skip or (id(ref) in self.stack_locals and ref is not self.app)
+            if id(ref) in snapshot and not own:
                 held.update(id(obj) for obj in gc.get_referents(ref) if id(obj) in functions)
         self.owned_roots = functions.keys() - held
         own_ends |= self.owned_roots

@@ -8,17 +8,15 @@ framework's cache, so the holder under test is the only one.
 
 from __future__ import annotations
 
-import base64
+import contextlib
 import contextvars
 import functools
-import gc
 import gzip
 import json
 import logging
 import logging.handlers
 import sys
 import threading
-import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -38,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from asgi_lifetime.testing import ProbeError, RetentionReport, chat_completion_body, probe_retention
+from asgi_lifetime.testing import ProbeError, chat_completion_body, probe_retention
 
 from . import apps
 from .apps import ChatRequest, answer, read, starlette_app
@@ -463,7 +461,26 @@ async def test_the_tests_own_copy_of_the_body_is_not_the_apps(anyio_backend: str
     assert report.ok, str(report)
     report = await probe_retention(apps.well_behaved(), body_factory=factory)  # the test frame's f_locals now exist
     assert report.ok, str(report)
-    assert len(bodies) == 2
+    options = {"body_factory": factory}  # passed on through a dict of the test's
+    report = await probe_retention(apps.well_behaved(), **options)  # type: ignore[arg-type]
+    assert report.ok, str(report)
+    assert len(bodies) == 3
+
+
+async def test_an_app_that_is_a_partial_of_a_closure_keeping_the_body_is_named(anyio_backend: str) -> None:
+    seen: list[bytes] = []
+
+    async def handler(tag: str, scope: Scope, receive: Receive, send: Send) -> None:
+        async def keeping() -> Any:
+            message = await receive()
+            seen.append(message.get("body", b""))
+            return message
+
+        await inner(scope, keeping, send)
+
+    inner = apps.well_behaved()
+    report = await probe_retention(functools.partial(handler, "tag"))
+    assert "<locals>.handler local 'seen'[*]: 65 bytes objects" in str(report), str(report)
 
 
 async def test_a_factory_keeping_the_body_in_a_global_is_reported(anyio_backend: str) -> None:
@@ -516,3 +533,81 @@ async def test_a_holder_only_a_c_stack_refers_to_is_labelled(anyio_backend: str)
     text = str(report)
     assert "  - (held by nothing the gc can see) tuple[1]: bytes, 4.0 MiB" in text, text
     assert f"frame {HERE}.test_a_holder_only_a_c_stack_refers_to_is_labelled.<locals>.hold local 'body'" in text
+
+
+# --- apps that misbehave: the probe says what happened ----------------------------------------
+
+
+async def drain(receive: Receive) -> None:
+    while (await receive()).get("more_body", False):
+        pass
+
+
+async def raises_mid_stream(scope: Scope, receive: Receive, send: Send) -> None:
+    await drain(receive)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+    raise RuntimeError("broken mid-stream")
+
+
+async def one_message(scope: Scope, receive: Receive, send: Send) -> None:
+    await drain(receive)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"data: all at once\n\n"})
+
+
+async def raises_before(scope: Scope, receive: Receive, send: Send) -> None:
+    await drain(receive)
+    raise KeyError("model")
+
+
+def status_only(status: int) -> Starlette:
+    async def chat(request: Request) -> Response:
+        return Response(b'{"error": "no"}', status_code=status, media_type="application/json")
+
+    return starlette_app(chat)
+
+
+@pytest.mark.parametrize(
+    ("app", "says"),
+    [
+        pytest.param(
+            raises_mid_stream, "the app raised RuntimeError after streaming began: broken mid-stream", id="mid"
+        ),
+        pytest.param(raises_before, "KeyError", id="before"),
+        pytest.param(one_message, "the app answered 200 without streaming", id="one-message"),
+        pytest.param(status_only(400), "the app answered 400 without streaming", id="400"),
+        pytest.param(apps.well_behaved(), "405", id="method-not-allowed"),
+    ],
+)
+async def test_an_app_that_does_not_stream_a_response_is_a_probe_error(anyio_backend: str, app: Any, says: str) -> None:
+    with pytest.raises(ProbeError, match=says):
+        await probe_retention(app, within=10, method="GET" if says == "405" else "POST")
+
+
+async def test_a_stream_that_ends_at_once_still_has_its_first_chunk_held(anyio_backend: str) -> None:
+    # A generator that has everything ready: the first chunk's send is where the probe looks.
+    async def chat(request: Request) -> Response:
+        body = await read(request)
+        return StreamingResponse(iter([b"data: echo\n\n", body]), media_type="text/event-stream")
+
+    report = await probe_retention(starlette_app(chat))
+    assert "iterate_in_threadpool local 'iterator' → list[1]: bytes" in str(report), str(report)
+
+
+def needs_lifespan() -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        yield {"model": "from-lifespan"}
+
+    async def chat(request: Request) -> Response:
+        await read(request)
+        return StreamingResponse(answer(request.state.model), media_type="text/event-stream")
+
+    return Starlette(routes=starlette_app(chat).routes, lifespan=lifespan)
+
+
+async def test_an_app_that_needs_its_lifespan(anyio_backend: str) -> None:
+    with pytest.raises(ProbeError, match="AttributeError"):
+        await probe_retention(needs_lifespan())  # lifespan off: the state it sets is missing
+    assert (await probe_retention(needs_lifespan(), lifespan=True)).ok
