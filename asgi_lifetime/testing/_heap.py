@@ -23,6 +23,7 @@ else runs on the event loop meanwhile: the search is synchronous.
 
 from __future__ import annotations
 
+import base64
 import contextvars
 import functools
 import gc
@@ -57,6 +58,9 @@ _MAX_HOLDERS = 4 * _BATCH  # distinct holders named; the others are counted by t
 _MAX_ROUTES = 4  # paths named to one holder
 _DETOUR = 2  # how much longer than the shortest another path to a holder may be
 _INDEX = re.compile(r"\[\d+\]")
+# Objects at least this long are also searched for the needle's base64 and hex forms: a kept
+# encoded copy of the input (an audit log, a signature's input) that matters is a large one.
+_ENCODED_MIN = 512
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ class _Search:
     def __init__(self, needle: str, *, own: Iterable[object], own_code: frozenset[types.CodeType], app: object) -> None:
         self.needle = needle
         self.needle_bytes = needle.encode("utf-8")
+        self.encoded = _encodings(needle)
+        self.encoded_bytes = tuple(form.encode("ascii") for form in self.encoded)
         self.readers: dict[type, Callable[[object], bool | None]] = {}
         self.truncated = False  # the climb stopped before every path was followed
         self.owned_roots: set[int] = set()  # functions only the probe or the test hold (``disown``)
@@ -141,7 +147,8 @@ class _Search:
         # The hot loop (every referent of every tracked object): str and bytes are tested inline;
         # a tracked referent is skipped, as it is searched in its turn as a holder.
         hits: list[_Hit] = []
-        needle, needle_bytes, holds, skip = self.needle, self.needle_bytes, self.holds, self.skip
+        marks: dict[type, str | bytes] = {str: self.needle, bytes: self.needle_bytes}
+        holds, skip, encoded_in, least = self.holds, self.skip, self.encoded_in, _ENCODED_MIN
         get_referents, is_tracked, atoms, readers = gc.get_referents, gc.is_tracked, _ATOMS, self.readers
         for holder in self.objects:
             if id(holder) in skip:
@@ -152,11 +159,9 @@ class _Search:
                     continue  # its buffer, a referent on Python 3.12+, is what was just found
             for ref in get_referents(holder):
                 kind = type(ref)
-                if kind is str:
-                    if needle in ref and ref is not needle:
-                        hits.append(_Hit(holder, (), ref))
-                elif kind is bytes:
-                    if needle_bytes in ref and ref is not needle_bytes:
+                mark = marks.get(kind)  # exactly str or bytes (the needle itself is no finding)
+                if mark is not None:
+                    if (mark in ref or (len(ref) >= least and encoded_in(ref))) and ref is not mark:
                         hits.append(_Hit(holder, (), ref))
                 elif kind not in atoms and not is_tracked(ref):
                     found = (readers.get(kind) or holds)(ref)
@@ -203,25 +208,36 @@ class _Search:
 
     def reader(self, kind: type, example: object) -> Callable[[object], bool | None]:
         """How to read the content of objects of type ``kind`` (decided once per type)."""
-        needle, needle_bytes = self.needle, self.needle_bytes
+        needle, needle_bytes, has = self.needle, self.needle_bytes, self.has
         if issubclass(kind, str):
-            return lambda obj: str.__contains__(cast(str, obj), needle) and obj is not needle
+            return lambda obj: obj is not needle and has(str.__str__(cast(str, obj)))  # a subclass: its exact text
         if issubclass(kind, bytes):
-            return lambda obj: bytes.__contains__(cast(bytes, obj), needle_bytes) and obj is not needle_bytes
+            return lambda obj: obj is not needle_bytes and has(_content(obj))
         if issubclass(kind, bytearray):
-            return lambda obj: bytearray.__contains__(cast(bytearray, obj), needle_bytes)
+            return lambda obj: has(_content(obj))
         if issubclass(kind, memoryview):
             # A view of bytes is found through the bytes it holds (its managed buffer's referent).
-            return lambda obj: not _views_bytes(obj) and needle_bytes in _content(obj)
+            return lambda obj: not _views_bytes(obj) and has(_content(obj))
         if issubclass(kind, io.BytesIO):
-            return lambda obj: needle_bytes in _content(obj)
+            return lambda obj: has(_content(obj))
         if issubclass(kind, io.StringIO):
-            return lambda obj: needle in _text(obj)
+            return lambda obj: has(_text(obj))
         if kind not in _CONTAINERS and _is_buffer(example):  # array, mmap, a numpy array, a ctypes buffer...
-            return lambda obj: needle_bytes in _content(obj)
+            return lambda obj: has(_content(obj))
         if not kind.__flags__ & _HAVE_GC:
             return _nothing  # no referents: an atom of another type
         return _container
+
+    def has(self, content: str | bytes | bytearray) -> bool:
+        """Whether ``content`` (a str, bytes or bytearray, not a subclass) has the needle, or a large
+        one its base64 or hex form."""
+        if isinstance(content, str):
+            return self.needle in content or (len(content) >= _ENCODED_MIN and self.encoded_in(content))
+        return self.needle_bytes in content or (len(content) >= _ENCODED_MIN and self.encoded_in(content))
+
+    def encoded_in(self, content: str | bytes | bytearray) -> bool:
+        forms: tuple[str | bytes, ...] = self.encoded if isinstance(content, str) else self.encoded_bytes
+        return any(form in content for form in forms)  # type: ignore[operator]
 
     # --- 2. name -------------------------------------------------------------------------------
 
@@ -631,6 +647,23 @@ def _short(key: object) -> str:
     except Exception:
         text = f"<{_type_name(key)}>"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _encodings(needle: str) -> tuple[str, ...]:
+    """What any copy of the needle looks like inside a base64 (standard or URL-safe) or hex encoding
+    of the input: base64 has three forms, one per offset of the needle modulo 3, each without the
+    characters that also encode its neighbours."""
+    raw = needle.encode("utf-8")
+    forms = [raw.hex(), raw.hex().upper()]
+    for offset in range(3):
+        text = base64.b64encode(bytes(offset) + raw).decode("ascii")
+        first, end = (1 if offset else 0), (offset + len(raw)) // 3  # the groups of 3 bytes all the needle's
+        form = text[4 * first : 4 * end]
+        forms += [form, form.translate(_URLSAFE)]
+    return tuple(dict.fromkeys(forms))
+
+
+_URLSAFE = str.maketrans("+/", "-_")
 
 
 def _through_contexts(chain: list[object]) -> list[object]:
