@@ -441,6 +441,8 @@ def _object_edge(parent: object, child: object) -> str:
         return ""
     if isinstance(parent, memoryview):
         return " (a memoryview)"
+    if type(parent) is _LRU_WRAPPER:
+        return " → lru_cache"  # its cache dict, or a key or a result it refers to
     if type(parent) is contextvars.Context:
         names = [var.name for var, value in parent.items() if value is child]
         return f"[ContextVar {names[0]!r}]" if names else " (a context's mapping)"
@@ -664,6 +666,7 @@ def _encodings(needle: str) -> tuple[str, ...]:
 
 
 _URLSAFE = str.maketrans("+/", "-_")
+_LRU_WRAPPER = type(functools.lru_cache(maxsize=1)(len))
 
 
 def _through_contexts(chain: list[object]) -> list[object]:

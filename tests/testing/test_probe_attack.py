@@ -270,8 +270,8 @@ class MsgspecChat(msgspec.Struct):
 # (app factory, what the report must name); each also runs on trio.
 KEEPERS = [
     pytest.param(in_a_contextvar, "[ContextVar 'VAR']: bytes", id="contextvar"),
-    pytest.param(in_an_lru_cache, f"module {HERE}.parse_cached", id="lru-cache-bytes-key"),
-    pytest.param(in_an_lru_cache_as_text, f"module {HERE}.count_cached", id="lru-cache-str-key"),
+    pytest.param(in_an_lru_cache, f"module {HERE}.parse_cached → lru_cache", id="lru-cache-bytes-key"),
+    pytest.param(in_an_lru_cache_as_text, f"module {HERE}.count_cached → lru_cache: str", id="lru-cache-str-key"),
     pytest.param(in_a_background_task, "StreamingResponse.background → BackgroundTask.args[0]", id="background-task"),
     pytest.param(in_a_kept_exc_info, f"module {HERE}.ERRORS[0][1] → ValueError.args[1]: str", id="exc-info-args"),
     pytest.param(in_a_kept_traceback_frame, "in_a_kept_traceback_frame.<locals>.keep (line", id="exc-info-frame"),
