@@ -57,7 +57,7 @@ _MAX_FRONTIER = 8 * _BATCH  # objects climbed from, per level
 _MAX_HOLDERS = 4 * _BATCH  # distinct holders named; the others are counted by type
 _MAX_ROUTES = 4  # paths named to one holder
 _DETOUR = 2  # how much longer than the shortest another path to a holder may be
-_INDEX = re.compile(r"\[\d+\]")
+_INDEX = re.compile(r"\[\d+\]| ×\d+")
 # Objects at least this long are also searched for the needle's base64 and hex forms: a kept
 # encoded copy of the input (an audit log, a signature's input) that matters is a large one.
 _ENCODED_MIN = 512
@@ -397,7 +397,18 @@ class _Search:
 
     def render(self, chain: list[object]) -> str:
         chain = _through_contexts(chain)
-        return "".join(self.edge(chain[i - 1], chain[i], chain[i - 2] if i > 1 else None) for i in range(1, len(chain)))
+        edges = [self.edge(chain[i - 1], chain[i], chain[i - 2] if i > 1 else None) for i in range(1, len(chain))]
+        # A linked structure (a chain of nodes, of exceptions) as one step and its count: the
+        # path stays one line, and the paths to its nodes one group.
+        runs: list[list[object]] = []
+        for edge in edges:
+            if runs and runs[-1][0] == edge:
+                runs[-1][1] = cast(int, runs[-1][1]) + 1
+            else:
+                runs.append([edge, 1])
+        return "".join(
+            f"{edge} ×{count}" if cast(int, count) >= 3 else str(edge) * cast(int, count) for edge, count in runs
+        )
 
     def edge(self, parent: object, child: object, grand: object) -> str:
         """How ``child`` is reached from ``parent``, as text appended to the path so far."""
@@ -473,7 +484,7 @@ def group(found: Iterable[Found]) -> list[Group]:
     """``found`` by path pattern and kind, largest first; a path seen once is kept as it is."""
     groups: dict[tuple[str, str], Group] = {}
     for item in found:
-        key = (_INDEX.sub("[*]", item.path), item.kind)
+        key = (_INDEX.sub(_any, item.path), item.kind)
         known = groups.get(key)
         sizes = {**(known.sizes if known else {}), item.leaf: item.size}
         path = item.path if known is None or (len(sizes) == 1 and known.path == item.path) else key[0]
@@ -667,6 +678,11 @@ def _encodings(needle: str) -> tuple[str, ...]:
 
 _URLSAFE = str.maketrans("+/", "-_")
 _LRU_WRAPPER = type(functools.lru_cache(maxsize=1)(len))
+
+
+def _any(match: re.Match[str]) -> str:
+    """``[*]`` for any list index, `` ×*`` for any count of a repeated step."""
+    return "[*]" if match.group().startswith("[") else " ×*"
 
 
 def _through_contexts(chain: list[object]) -> list[object]:

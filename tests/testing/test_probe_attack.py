@@ -639,3 +639,42 @@ async def test_an_app_that_needs_its_lifespan(anyio_backend: str) -> None:
     with pytest.raises(ProbeError, match="AttributeError"):
         await probe_retention(needs_lifespan())  # lifespan off: the state it sets is missing
     assert (await probe_retention(needs_lifespan(), lifespan=True)).ok
+
+
+# --- the report stays readable ----------------------------------------------------------------
+
+
+class Node:
+    __slots__ = ("next", "piece")
+
+    def __init__(self, piece: str, next: Node | None) -> None:
+        self.piece = piece
+        self.next = next
+
+
+async def test_a_linked_chain_of_pieces_is_one_line(anyio_backend: str) -> None:
+    # 4096 nodes: paths through 1 to 4095 ``.next`` steps are one line, not 1024 long ones.
+    def keep(request: Request, body: bytes) -> None:
+        text = body.decode()
+        node = None
+        for start in range(0, len(text), 1024):
+            node = Node(text[start : start + 1024], node)
+        KEPT.append(node)
+
+    report = await probe_retention(streaming(keep))
+    text = str(report)
+    assert f"  - module {HERE}.KEPT[*] → Node.next ×* → Node.piece: " in text, text
+    assert len(text) < 2000, text[:2000]
+
+
+async def test_many_distinct_paths_are_cut_to_the_largest(anyio_backend: str) -> None:
+    def keep(request: Request, body: bytes) -> None:
+        for i in range(64):
+            STORE[f"piece-{i}"] = body[i * 2048 : (i + 1) * 2048 + i]  # sizes differ: a stable order
+
+    report = await probe_retention(streaming(keep))
+    lines = str(report).splitlines()
+    assert len(report.holders) == 64
+    assert len(lines) == 1 + 20 + 1, lines
+    assert lines[1].startswith(f"  - module {HERE}.STORE['piece-63']: bytes"), lines[1]
+    assert lines[-1] == "  - and 44 more path(s), the smallest (RetentionReport.holders)"
