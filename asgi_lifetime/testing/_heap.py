@@ -32,6 +32,7 @@ import io
 import re
 import sys
 import threading
+import time
 import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -52,8 +53,9 @@ _ATOMS = frozenset({int, float, bool, complex, type(None), type(Ellipsis), type(
 _HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: the type's objects may refer to others
 _CONTAINERS = frozenset({dict, list, tuple, set, frozenset, type, types.FunctionType, types.CellType})
 _MAX_LEVELS = 32  # referrer levels climbed from a holder
-_BATCH = 256  # objects whose referrers one scan of the heap looks for
+_BATCH = 256  # up to this many objects, referrers are found by gc.get_referrers (its cost: heap x objects)
 _MAX_FRONTIER = 8 * _BATCH  # objects climbed from, per level
+_CLIMB_SECONDS, _CLIMB_FACTOR = 5.0, 4.0  # the climb's time: at least this, or this many times the search's
 _MAX_HOLDERS = 4 * _BATCH  # distinct holders named; the others are counted by type
 _MAX_ROUTES = 4  # paths named to one holder
 _DETOUR = 2  # how much longer than the shortest another path to a holder may be
@@ -95,7 +97,11 @@ def find_holders(
     gc.disable()
     try:
         search = _Search(needle, own=own, own_code=frozenset(own_code), app=app)
+        started = time.monotonic()
         hits = search.scan()
+        # Naming may cost a few times the search itself, never more: a deep structure over a large
+        # heap would take minutes of climbing.
+        search.deadline = time.monotonic() + max(_CLIMB_SECONDS, _CLIMB_FACTOR * (time.monotonic() - started))
         return search.name(hits) if hits else []
     finally:
         if enabled:
@@ -110,6 +116,7 @@ class _Search:
         self.encoded_bytes = tuple(form.encode("ascii") for form in self.encoded)
         self.readers: dict[type, Callable[[object], bool | None]] = {}
         self.truncated = False  # the climb stopped before every path was followed
+        self.deadline = float("inf")  # when the climb stops (``find_holders`` sets it)
         self.owned_roots: set[int] = set()  # functions only the probe or the test hold (``disown``)
         self.app = app
         self.objects = gc.get_objects()
@@ -269,10 +276,10 @@ class _Search:
         seen = {id(obj) for obj in start}
         frontier = [obj for obj in start if self.root(obj) is None]
         for _ in range(_MAX_LEVELS):
-            found: list[object] = []
-            # One scan of the heap per batch: it costs heap size x batch size.
-            for batch in (frontier[i : i + _BATCH] for i in range(0, min(len(frontier), _MAX_FRONTIER), _BATCH)):
-                found += self.climb_batch(batch, snapshot, seen, ups, own_ends)
+            if time.monotonic() > self.deadline:
+                self.truncated = True
+                break
+            found = self.climb_batch(frontier[:_MAX_FRONTIER], snapshot, seen, ups, own_ends)
             if not found:
                 break
             self.truncated |= len(found) > _MAX_FRONTIER
@@ -310,7 +317,7 @@ class _Search:
         ``own_ends``, and returns those not seen before that are no root, to climb from next."""
         targets = {id(obj) for obj in batch}
         found: list[object] = []
-        for ref in gc.get_referrers(*batch):
+        for ref in self.referrers(batch, targets):
             if id(ref) not in snapshot:
                 continue  # made by the search (its lists, the frame objects it asked for)
             referred = [id(obj) for obj in gc.get_referents(ref) if id(obj) in targets]
@@ -325,6 +332,20 @@ class _Search:
                     own_ends.add(id(ref))
                 if self.root(ref) is None:
                     found.append(ref)
+        return found
+
+    def referrers(self, batch: list[object], targets: set[int]) -> list[object]:
+        """What refers to ``batch``: ``gc.get_referrers`` (in C, but its cost is heap size x batch
+        size) for a few, one pass over the snapshot for many."""
+        if len(batch) <= _BATCH:
+            return gc.get_referrers(*batch)
+        found: list[object] = []
+        get_referents = gc.get_referents
+        for obj in self.objects:
+            for ref in get_referents(obj):
+                if id(ref) in targets:
+                    found.append(obj)
+                    break
         return found
 
     def routes(

@@ -12,12 +12,14 @@ import base64
 import contextlib
 import contextvars
 import functools
+import gc
 import gzip
 import json
 import logging
 import logging.handlers
 import sys
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -678,3 +680,21 @@ async def test_many_distinct_paths_are_cut_to_the_largest(anyio_backend: str) ->
     assert len(lines) == 1 + 20 + 1, lines
     assert lines[1].startswith(f"  - module {HERE}.STORE['piece-63']: bytes"), lines[1]
     assert lines[-1] == "  - and 44 more path(s), the smallest (RetentionReport.holders)"
+
+
+async def test_pieces_nested_deeper_than_the_climb_end_unnamed_in_bounded_time(anyio_backend: str) -> None:
+    # 4096 pieces, each 41 lists deep: every level of the climb has 1024 objects to climb from.
+    # (It took 146 s on a heap of 700,000 objects, one C scan per 256 of them; now about 10 s.)
+    def keep(request: Request, body: bytes) -> None:
+        text = body.decode()
+        for start in range(0, len(text), 1024):
+            nested: Any = [text[start : start + 1024]]
+            for _ in range(40):
+                nested = [nested]
+            KEPT.append(nested)
+
+    started = time.monotonic()
+    report = await probe_retention(streaming(keep))
+    elapsed = time.monotonic() - started
+    assert "  - (holders not searched further) list[*] ×*: 1024 str objects, 1.0 MiB" in str(report), str(report)
+    print(f"deep nesting: {elapsed:.1f} s for {len(gc.get_objects())} objects")
