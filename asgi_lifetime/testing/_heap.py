@@ -274,27 +274,28 @@ class _Search:
         ups: dict[int, list[object]] = {}
         own_ends = {id(obj) for obj in start if id(obj) in self.stack_locals}
         seen = {id(obj) for obj in start}
-        frontier = [obj for obj in start if self.root(obj) is None]
+        frontier = [obj for obj in start if self.root(obj) is None] + self.disown(start, snapshot)
         for _ in range(_MAX_LEVELS):
             if time.monotonic() > self.deadline:
                 self.truncated = True
                 break
-            found = self.climb_batch(frontier[:_MAX_FRONTIER], snapshot, seen, ups, own_ends)
+            found, roots = self.climb_batch(frontier[:_MAX_FRONTIER], snapshot, seen, ups, own_ends)
+            found += self.disown(roots, snapshot)
             if not found:
                 break
             self.truncated |= len(found) > _MAX_FRONTIER
             frontier = found
         else:
             self.truncated = True
-        self.disown([obj for refs in ups.values() for obj in refs] + start, snapshot, own_ends)
         return ups, own_ends
 
-    def disown(self, reached: list[object], snapshot: set[int], own_ends: set[int]) -> None:
-        """Functions that only the probe or the current stack hold (a ``body_factory`` closing over
-        the test's locals) are the test's: no root, an end of the probe's own."""
+    def disown(self, reached: list[object], snapshot: set[int]) -> list[object]:
+        """The functions among ``reached`` that only the probe or the current stack hold (a
+        ``body_factory`` closing over the test's locals, a closure in the ``scope`` the probe
+        made): no roots, but objects to climb through, to the app's holders or to the probe's."""
         functions = {id(obj): obj for obj in reached if type(obj) is types.FunctionType and obj is not self.app}
         if not functions:
-            return
+            return []
         held: set[int] = set()
         for ref in gc.get_referrers(*functions.values()):
             # A stack local referring to it is the test's or the probe's (the ``**options`` dict
@@ -302,8 +303,9 @@ class _Search:
             own = id(ref) in self.skip or (id(ref) in self.stack_locals and ref is not self.app)
             if id(ref) in snapshot and not own:
                 held.update(id(obj) for obj in gc.get_referents(ref) if id(obj) in functions)
-        self.owned_roots = functions.keys() - held
-        own_ends |= self.owned_roots
+        owned = functions.keys() - held
+        self.owned_roots |= owned
+        return [functions[key] for key in owned]
 
     def climb_batch(
         self,
@@ -312,11 +314,13 @@ class _Search:
         seen: set[int],
         ups: dict[int, list[object]],
         own_ends: set[int],
-    ) -> list[object]:
+    ) -> tuple[list[object], list[object]]:
         """One level up from ``batch`` (one heap scan): records the referrers in ``ups`` and
-        ``own_ends``, and returns those not seen before that are no root, to climb from next."""
+        ``own_ends``, and returns those not seen before that are no root, to climb from next, and
+        the roots not seen before."""
         targets = {id(obj) for obj in batch}
         found: list[object] = []
+        roots: list[object] = []
         for ref in self.referrers(batch, targets):
             if id(ref) not in snapshot:
                 continue  # made by the search (its lists, the frame objects it asked for)
@@ -330,9 +334,8 @@ class _Search:
                 seen.add(id(ref))
                 if id(ref) in self.stack_locals:
                     own_ends.add(id(ref))
-                if self.root(ref) is None:
-                    found.append(ref)
-        return found
+                (found if self.root(ref) is None else roots).append(ref)
+        return found, roots
 
     def referrers(self, batch: list[object], targets: set[int]) -> list[object]:
         """What refers to ``batch``: ``gc.get_referrers`` (in C, but its cost is heap size x batch

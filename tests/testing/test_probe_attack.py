@@ -356,6 +356,32 @@ async def test_a_body_behind_a_weak_proxy_is_named_through_its_strong_holder(any
     assert [holder.path for holder in report.holders] == [f"module {HERE}.KEPT[0] → Holder.body"], str(report)
 
 
+def closure_over(body: bytes) -> Callable[[], bytes]:
+    return lambda: body
+
+
+@pytest.mark.parametrize(
+    ("store", "named"),
+    [
+        pytest.param(
+            lambda request, body: request.scope.__setitem__("keeper", closure_over(body)),
+            "local 'scope'['keeper'] free variable 'body': bytes",
+            id="in-the-scope",  # the scope is the probe's: what the app puts in it is the app's
+        ),
+        pytest.param(
+            lambda request, body: setattr(request.state, "keeper", closure_over(body)),
+            "['state']['keeper'] free variable 'body': bytes",
+            id="on-request-state",
+        ),
+    ],
+)
+async def test_a_closure_kept_in_the_scope_is_named(
+    anyio_backend: str, store: Callable[[Request, bytes], None], named: str
+) -> None:
+    report = await probe_retention(streaming(store))
+    assert named in str(report), str(report)
+
+
 async def test_a_closure_stored_globally_is_named(anyio_backend: str) -> None:
     def keep(request: Request, body: bytes) -> None:
         KEPT.append(lambda: len(body))
