@@ -369,6 +369,11 @@ def closure_over(body: bytes) -> Callable[[], bytes]:
             id="in-the-scope",  # the scope is the probe's: what the app puts in it is the app's
         ),
         pytest.param(
+            lambda request, body: request.scope.__setitem__("raw", body),
+            "local 'scope'['raw']: bytes",
+            id="raw-in-the-scope",
+        ),
+        pytest.param(
             lambda request, body: setattr(request.state, "keeper", closure_over(body)),
             "['state']['keeper'] free variable 'body': bytes",
             id="on-request-state",
