@@ -23,11 +23,16 @@ else runs on the event loop meanwhile: the search is synchronous.
 
 from __future__ import annotations
 
+import base64
+import contextvars
+import functools
 import gc
+import inspect
 import io
 import re
 import sys
 import threading
+import time
 import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -48,12 +53,16 @@ _ATOMS = frozenset({int, float, bool, complex, type(None), type(Ellipsis), type(
 _HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: the type's objects may refer to others
 _CONTAINERS = frozenset({dict, list, tuple, set, frozenset, type, types.FunctionType, types.CellType})
 _MAX_LEVELS = 32  # referrer levels climbed from a holder
-_BATCH = 256  # objects whose referrers one scan of the heap looks for
+_BATCH = 256  # up to this many objects, referrers are found by gc.get_referrers (its cost: heap x objects)
 _MAX_FRONTIER = 8 * _BATCH  # objects climbed from, per level
+_CLIMB_SECONDS, _CLIMB_FACTOR = 5.0, 4.0  # the climb's time: at least this, or this many times the search's
 _MAX_HOLDERS = 4 * _BATCH  # distinct holders named; the others are counted by type
 _MAX_ROUTES = 4  # paths named to one holder
 _DETOUR = 2  # how much longer than the shortest another path to a holder may be
-_INDEX = re.compile(r"\[\d+\]")
+_INDEX = re.compile(r"\[\d+\]| ×\d+")
+# Objects at least this long are also searched for the needle's base64 and hex forms: a kept
+# encoded copy of the input (an audit log, a signature's input) that matters is a large one.
+_ENCODED_MIN = 512
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,11 @@ def find_holders(
     gc.disable()
     try:
         search = _Search(needle, own=own, own_code=frozenset(own_code), app=app)
+        started = time.monotonic()
         hits = search.scan()
+        # Naming may cost a few times the search itself, never more: a deep structure over a large
+        # heap would take minutes of climbing.
+        search.deadline = time.monotonic() + max(_CLIMB_SECONDS, _CLIMB_FACTOR * (time.monotonic() - started))
         return search.name(hits) if hits else []
     finally:
         if enabled:
@@ -99,12 +112,19 @@ class _Search:
     def __init__(self, needle: str, *, own: Iterable[object], own_code: frozenset[types.CodeType], app: object) -> None:
         self.needle = needle
         self.needle_bytes = needle.encode("utf-8")
+        self.encoded = _encodings(needle)
+        self.encoded_bytes = tuple(form.encode("ascii") for form in self.encoded)
         self.readers: dict[type, Callable[[object], bool | None]] = {}
         self.truncated = False  # the climb stopped before every path was followed
+        self.deadline = float("inf")  # when the climb stops (``find_holders`` sets it)
+        self.owned_roots: set[int] = set()  # functions only the probe or the test hold (``disown``)
         self.app = app
         self.objects = gc.get_objects()
         stack = list(_current_stack())
         self.skip = {id(obj) for obj in own} | {id(frame) for frame in stack}
+        # A function frame's ``f_locals`` dict (kept on the frame up to Python 3.12, once asked for)
+        # refers to the test's locals as the frame does; a module's frame has its globals there.
+        self.skip |= {id(frame.f_locals) for frame in stack if frame.f_code.co_flags & inspect.CO_OPTIMIZED}
         on_stack = {id(frame) for frame in stack}
         self.generator_frames: set[int] = set()
         for obj in self.objects:
@@ -134,7 +154,8 @@ class _Search:
         # The hot loop (every referent of every tracked object): str and bytes are tested inline;
         # a tracked referent is skipped, as it is searched in its turn as a holder.
         hits: list[_Hit] = []
-        needle, needle_bytes, holds, skip = self.needle, self.needle_bytes, self.holds, self.skip
+        marks: dict[type, str | bytes] = {str: self.needle, bytes: self.needle_bytes}
+        holds, skip, encoded_in, least = self.holds, self.skip, self.encoded_in, _ENCODED_MIN
         get_referents, is_tracked, atoms, readers = gc.get_referents, gc.is_tracked, _ATOMS, self.readers
         for holder in self.objects:
             if id(holder) in skip:
@@ -145,11 +166,9 @@ class _Search:
                     continue  # its buffer, a referent on Python 3.12+, is what was just found
             for ref in get_referents(holder):
                 kind = type(ref)
-                if kind is str:
-                    if needle in ref and ref is not needle:
-                        hits.append(_Hit(holder, (), ref))
-                elif kind is bytes:
-                    if needle_bytes in ref and ref is not needle_bytes:
+                mark = marks.get(kind)  # exactly str or bytes (the needle itself is no finding)
+                if mark is not None:
+                    if (mark in ref or (len(ref) >= least and encoded_in(ref))) and ref is not mark:
                         hits.append(_Hit(holder, (), ref))
                 elif kind not in atoms and not is_tracked(ref):
                     found = (readers.get(kind) or holds)(ref)
@@ -196,25 +215,36 @@ class _Search:
 
     def reader(self, kind: type, example: object) -> Callable[[object], bool | None]:
         """How to read the content of objects of type ``kind`` (decided once per type)."""
-        needle, needle_bytes = self.needle, self.needle_bytes
+        needle, needle_bytes, has = self.needle, self.needle_bytes, self.has
         if issubclass(kind, str):
-            return lambda obj: str.__contains__(cast(str, obj), needle) and obj is not needle
+            return lambda obj: obj is not needle and has(str.__str__(cast(str, obj)))  # a subclass: its exact text
         if issubclass(kind, bytes):
-            return lambda obj: bytes.__contains__(cast(bytes, obj), needle_bytes) and obj is not needle_bytes
+            return lambda obj: obj is not needle_bytes and has(_content(obj))
         if issubclass(kind, bytearray):
-            return lambda obj: bytearray.__contains__(cast(bytearray, obj), needle_bytes)
+            return lambda obj: has(_content(obj))
         if issubclass(kind, memoryview):
             # A view of bytes is found through the bytes it holds (its managed buffer's referent).
-            return lambda obj: not _views_bytes(obj) and needle_bytes in _content(obj)
+            return lambda obj: not _views_bytes(obj) and has(_content(obj))
         if issubclass(kind, io.BytesIO):
-            return lambda obj: needle_bytes in _content(obj)
+            return lambda obj: has(_content(obj))
         if issubclass(kind, io.StringIO):
-            return lambda obj: needle in _text(obj)
+            return lambda obj: has(_text(obj))
         if kind not in _CONTAINERS and _is_buffer(example):  # array, mmap, a numpy array, a ctypes buffer...
-            return lambda obj: needle_bytes in _content(obj)
+            return lambda obj: has(_content(obj))
         if not kind.__flags__ & _HAVE_GC:
             return _nothing  # no referents: an atom of another type
         return _container
+
+    def has(self, content: str | bytes | bytearray) -> bool:
+        """Whether ``content`` (a str, bytes or bytearray, not a subclass) has the needle, or a large
+        one its base64 or hex form."""
+        if isinstance(content, str):
+            return self.needle in content or (len(content) >= _ENCODED_MIN and self.encoded_in(content))
+        return self.needle_bytes in content or (len(content) >= _ENCODED_MIN and self.encoded_in(content))
+
+    def encoded_in(self, content: str | bytes | bytearray) -> bool:
+        forms: tuple[str | bytes, ...] = self.encoded if isinstance(content, str) else self.encoded_bytes
+        return any(form in content for form in forms)  # type: ignore[operator]
 
     # --- 2. name -------------------------------------------------------------------------------
 
@@ -244,12 +274,13 @@ class _Search:
         ups: dict[int, list[object]] = {}
         own_ends = {id(obj) for obj in start if id(obj) in self.stack_locals}
         seen = {id(obj) for obj in start}
-        frontier = [obj for obj in start if self.root(obj) is None]
+        frontier = [obj for obj in start if self.root(obj) is None] + self.disown(start, snapshot)
         for _ in range(_MAX_LEVELS):
-            found: list[object] = []
-            # One scan of the heap per batch: it costs heap size x batch size.
-            for batch in (frontier[i : i + _BATCH] for i in range(0, min(len(frontier), _MAX_FRONTIER), _BATCH)):
-                found += self.climb_batch(batch, snapshot, seen, ups, own_ends)
+            if time.monotonic() > self.deadline:
+                self.truncated = True
+                break
+            found, roots = self.climb_batch(frontier[:_MAX_FRONTIER], snapshot, seen, ups, own_ends)
+            found += self.disown(roots, snapshot)
             if not found:
                 break
             self.truncated |= len(found) > _MAX_FRONTIER
@@ -258,6 +289,24 @@ class _Search:
             self.truncated = True
         return ups, own_ends
 
+    def disown(self, reached: list[object], snapshot: set[int]) -> list[object]:
+        """The functions among ``reached`` that only the probe or the current stack hold (a
+        ``body_factory`` closing over the test's locals, a closure in the ``scope`` the probe
+        made): no roots, but objects to climb through, to the app's holders or to the probe's."""
+        functions = {id(obj): obj for obj in reached if type(obj) is types.FunctionType and obj is not self.app}
+        if not functions:
+            return []
+        held: set[int] = set()
+        for ref in gc.get_referrers(*functions.values()):
+            # A stack local referring to it is the test's or the probe's (the ``**options`` dict
+            # that passed it on), unless it is the app.
+            own = id(ref) in self.skip or (id(ref) in self.stack_locals and ref is not self.app)
+            if id(ref) in snapshot and not own:
+                held.update(id(obj) for obj in gc.get_referents(ref) if id(obj) in functions)
+        owned = functions.keys() - held
+        self.owned_roots |= owned
+        return [functions[key] for key in owned]
+
     def climb_batch(
         self,
         batch: list[object],
@@ -265,12 +314,14 @@ class _Search:
         seen: set[int],
         ups: dict[int, list[object]],
         own_ends: set[int],
-    ) -> list[object]:
+    ) -> tuple[list[object], list[object]]:
         """One level up from ``batch`` (one heap scan): records the referrers in ``ups`` and
-        ``own_ends``, and returns those not seen before that are no root, to climb from next."""
+        ``own_ends``, and returns those not seen before that are no root, to climb from next, and
+        the roots not seen before."""
         targets = {id(obj) for obj in batch}
         found: list[object] = []
-        for ref in gc.get_referrers(*batch):
+        roots: list[object] = []
+        for ref in self.referrers(batch, targets):
             if id(ref) not in snapshot:
                 continue  # made by the search (its lists, the frame objects it asked for)
             referred = [id(obj) for obj in gc.get_referents(ref) if id(obj) in targets]
@@ -283,8 +334,21 @@ class _Search:
                 seen.add(id(ref))
                 if id(ref) in self.stack_locals:
                     own_ends.add(id(ref))
-                if self.root(ref) is None:
-                    found.append(ref)
+                (found if self.root(ref) is None else roots).append(ref)
+        return found, roots
+
+    def referrers(self, batch: list[object], targets: set[int]) -> list[object]:
+        """What refers to ``batch``: ``gc.get_referrers`` (in C, but its cost is heap size x batch
+        size) for a few, one pass over the snapshot for many."""
+        if len(batch) <= _BATCH:
+            return gc.get_referrers(*batch)
+        found: list[object] = []
+        get_referents = gc.get_referents
+        for obj in self.objects:
+            for ref in get_referents(obj):
+                if id(ref) in targets:
+                    found.append(obj)
+                    break
         return found
 
     def routes(
@@ -304,7 +368,7 @@ class _Search:
             node = queue.popleft()
             if shortest is not None and depth[id(node)] > shortest + _DETOUR:
                 break
-            root = self.root(node)
+            root = None if id(node) in self.owned_roots else self.root(node)
             if root is not None:
                 shortest = depth[id(node)] if shortest is None else shortest
                 # Paths that reach the same object through cells, closures or frames are one.
@@ -325,8 +389,9 @@ class _Search:
         if not best:
             if own_ends & parents.keys():
                 return []
-            unseen = "whose holders were not searched further" if self.truncated else "held by nothing the gc can see"
-            return [(f"{_type_name(top)} object {unseen},", _down(top, parents))]
+            # Held from a C stack (another thread's call in progress) or a C extension's field.
+            unseen = "holders not searched further" if self.truncated else "held by nothing the gc can see"
+            return [(f"({unseen}) {_type_name(top)}", _down(top, parents))]
         chosen = sorted(best.values(), key=lambda item: (item[1], item[0]))[:_MAX_ROUTES]
         return [(label, _down(root, parents)) for _, _, label, root in chosen]
 
@@ -355,7 +420,19 @@ class _Search:
     # --- rendering -----------------------------------------------------------------------------
 
     def render(self, chain: list[object]) -> str:
-        return "".join(self.edge(chain[i - 1], chain[i], chain[i - 2] if i > 1 else None) for i in range(1, len(chain)))
+        chain = _through_contexts(chain)
+        edges = [self.edge(chain[i - 1], chain[i], chain[i - 2] if i > 1 else None) for i in range(1, len(chain))]
+        # A linked structure (a chain of nodes, of exceptions) as one step and its count: the
+        # path stays one line, and the paths to its nodes one group.
+        runs: list[list[object]] = []
+        for edge in edges:
+            if runs and runs[-1][0] == edge:
+                runs[-1][1] = cast(int, runs[-1][1]) + 1
+            else:
+                runs.append([edge, 1])
+        return "".join(
+            f"{edge} ×{count}" if cast(int, count) >= 3 else str(edge) * cast(int, count) for edge, count in runs
+        )
 
     def edge(self, parent: object, child: object, grand: object) -> str:
         """How ``child`` is reached from ``parent``, as text appended to the path so far."""
@@ -399,6 +476,11 @@ def _object_edge(parent: object, child: object) -> str:
         return ""
     if isinstance(parent, memoryview):
         return " (a memoryview)"
+    if type(parent) is _LRU_WRAPPER:
+        return " → lru_cache"  # its cache dict, or a key or a result it refers to
+    if type(parent) is contextvars.Context:
+        names = [var.name for var, value in parent.items() if value is child]
+        return f"[ContextVar {names[0]!r}]" if names else " (a context's mapping)"
     if type(parent).__name__ == "managedbuffer":
         return ""
     if child is _dict_of(parent):
@@ -426,7 +508,7 @@ def group(found: Iterable[Found]) -> list[Group]:
     """``found`` by path pattern and kind, largest first; a path seen once is kept as it is."""
     groups: dict[tuple[str, str], Group] = {}
     for item in found:
-        key = (_INDEX.sub("[*]", item.path), item.kind)
+        key = (_INDEX.sub(_any, item.path), item.kind)
         known = groups.get(key)
         sizes = {**(known.sizes if known else {}), item.leaf: item.size}
         path = item.path if known is None or (len(sizes) == 1 and known.path == item.path) else key[0]
@@ -525,7 +607,11 @@ def _attributes(obj: object) -> Iterator[tuple[str, object]]:
                 yield slot, object.__getattribute__(obj, slot)
             except Exception:  # an empty slot, or a descriptor that fails
                 continue
-    for name in ("__self__", "__func__", "__traceback__", "__cause__", "__context__", "tb_frame", "tb_next"):
+    names: tuple[str, ...] = ("__self__", "__func__", "__traceback__", "__cause__", "__context__")
+    names += ("tb_frame", "tb_next")
+    if issubclass(type(obj), (BaseException, functools.partial)):
+        names = ("args", "keywords", "func", *names)  # C members, in no __dict__
+    for name in names:
         try:
             yield name, object.__getattribute__(obj, name)
         except Exception:
@@ -598,6 +684,39 @@ def _short(key: object) -> str:
     except Exception:
         text = f"<{_type_name(key)}>"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _encodings(needle: str) -> tuple[str, ...]:
+    """What any copy of the needle looks like inside a base64 (standard or URL-safe) or hex encoding
+    of the input: base64 has three forms, one per offset of the needle modulo 3, each without the
+    characters that also encode its neighbours."""
+    raw = needle.encode("utf-8")
+    forms = [raw.hex(), raw.hex().upper()]
+    for offset in range(3):
+        text = base64.b64encode(bytes(offset) + raw).decode("ascii")
+        first, end = (1 if offset else 0), (offset + len(raw)) // 3  # the groups of 3 bytes all the needle's
+        form = text[4 * first : 4 * end]
+        forms += [form, form.translate(_URLSAFE)]
+    return tuple(dict.fromkeys(forms))
+
+
+_URLSAFE = str.maketrans("+/", "-_")
+_LRU_WRAPPER = type(functools.lru_cache(maxsize=1)(len))
+
+
+def _any(match: re.Match[str]) -> str:
+    """``[*]`` for any list index, `` ×*`` for any count of a repeated step."""
+    return "[*]" if match.group().startswith("[") else " ×*"
+
+
+def _through_contexts(chain: list[object]) -> list[object]:
+    """``chain`` without the nodes of a context's mapping between a ``Context`` and its value."""
+    for i, node in enumerate(chain):
+        if type(node) is contextvars.Context:
+            values = {id(value) for value in node.values()}
+            end = next((j for j in range(i + 1, len(chain)) if id(chain[j]) in values), i + 1)
+            return [*chain[: i + 1], *_through_contexts(chain[end:])]
+    return chain
 
 
 def _down(node: object, parents: dict[int, object | None]) -> list[object]:

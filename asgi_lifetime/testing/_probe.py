@@ -40,6 +40,7 @@ __all__ = [
     "probe_retention",
 ]
 
+_SHOWN = 20  # holder lines in a report's text (a failure message stays readable)
 _PIECE = 1 * KiB  # the marker's period in the default body: any 1 KiB kept is found
 _MESSAGE = 16 * KiB  # the default body's message size
 _SHORT_END = 4 * KiB  # an unmarked end of a body this short is sent with the chunk before it
@@ -105,7 +106,9 @@ class RetentionReport:
             f"{request}: the body was still reachable while the response ({self.status}) streamed, "
             f"{_human(self.held_bytes)} in {self.held_objects} object(s), held by:"
         ]
-        lines += [f"  - {holder}" for holder in self.holders]
+        lines += [f"  - {holder}" for holder in self.holders[:_SHOWN]]
+        if len(self.holders) > _SHOWN:
+            lines.append(f"  - and {len(self.holders) - _SHOWN} more path(s), the smallest (RetentionReport.holders)")
         return "\n".join(lines)
 
 
