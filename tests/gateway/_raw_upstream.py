@@ -19,10 +19,11 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-# A script step: bytes are written; CLOSE hangs up; HOLD waits (bounded) until the peer hangs up.
+# A script step: bytes are written; CLOSE hangs up; HOLD waits (bounded) until the peer hangs up;
+# a callable is called (it may block on an event) and what it returns is written.
 CLOSE = "close"
 HOLD = "hold"
-Script = list[bytes | str]
+Script = list[bytes | str | Callable[[], bytes]]
 _HOLD_LIMIT = 30.0
 
 
@@ -42,6 +43,7 @@ class RawUpstream:
     connections: int = 0
     held: threading.Event = field(default_factory=threading.Event)  # a HOLD step is waiting
     released: threading.Event = field(default_factory=threading.Event)  # its peer hung up
+    hung_up: set[int] = field(default_factory=set)  # connections the peer closed between requests
 
     def targets(self) -> list[str]:
         return [r.target for r in self.requests]
@@ -90,6 +92,8 @@ def raw_upstream(answer: Callable[[RawRequest], Script]) -> Iterator[RawUpstream
                 while not stop.is_set():
                     request, buffer = _read_request(sock, buffer)
                     if request is None:
+                        with lock:
+                            upstream.hung_up.add(number)
                         return
                     request.connection = number
                     with lock:
@@ -103,6 +107,8 @@ def raw_upstream(answer: Callable[[RawRequest], Script]) -> Iterator[RawUpstream
                                 pass
                             upstream.released.set()
                             return
+                        if callable(step):
+                            step = step()
                         assert isinstance(step, bytes)
                         sock.sendall(step)
             except OSError:

@@ -1,0 +1,295 @@
+"""The upstream transport on asyncio: httpx's client API over aiohttp's connection pool.
+
+The gateway keeps httpx as its client API (its types, respx in tests) and only changes what
+sends the bytes: measured, a bare forwarder spends 5.0 ms of CPU per request through httpx's
+own transport at concurrency 1 (9.9 ms at 32) and 3.1 ms (3.2 ms) through aiohttp's, whose HTTP
+parser and writer are C. aiohttp runs on asyncio only: on trio the gateway keeps httpcore
+(``_transport.GuardedTransport``). ``UPSTREAM_TRANSPORT`` chooses (``UpstreamTransport``)::
+
+    transport = UpstreamTransport(choice="auto", limits=httpx.Limits(max_connections=64))
+    client = httpx.AsyncClient(transport=transport)
+
+What holds on both transports (``tests/gateway/test_aiohttp.py`` checks it against raw sockets):
+
+- the request body is read from its holder as it is sent (the async iterator httpx's
+  ``Request.stream`` gives), never copied or kept;
+- failures come out as the httpx exceptions the retry loop maps (``ConnectError``,
+  ``ConnectTimeout``, ``PoolTimeout``, ``ReadTimeout``, ``RemoteProtocolError``...);
+- bytes pass through as sent: no decompression (``auto_decompress=False``), header names in
+  their case with duplicates kept, no header aiohttp would add (User-Agent, Accept,
+  Accept-Encoding, Content-Type);
+- a connection never carries one response's leftovers to the next request. aiohttp hands a
+  connection back to its pool the moment the response's last byte is parsed, before it parses
+  the rest of the bytes read with it, and an idle pooled connection goes on parsing what
+  arrives: a second response sent after the first would be the answer to the next request.
+  ``_GuardedHandler`` closes a connection that receives a byte after its response ended, or a
+  second final response, so it is never picked again;
+- a response closed before its end closes its connection (never pooled half-read).
+
+A request whose header fields aiohttp cannot write byte for byte (it writes text as UTF-8: a
+value with obs-text that is not UTF-8) or would write unchecked (a NUL, a name that is not a
+token) goes through httpcore instead, which sends or refuses it exactly as before. Uses
+aiohttp internals (``ResponseHandler``, the connector's protocol factory), so ``pyproject.toml``
+bounds aiohttp; ``tests/gateway/test_aiohttp.py`` fails if they move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any, Final
+
+import aiohttp
+import httpx
+from aiohttp.client_proto import ResponseHandler
+from yarl import URL
+
+from ._transport import GuardedTransport
+
+__all__ = ["AiohttpTransport"]
+
+logger = logging.getLogger(__name__)
+
+# Headers aiohttp adds unless told not to: the gateway sends only the client's and its own.
+_SKIP_AUTO_HEADERS: Final = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
+# h11's limit on a response head is 16 KiB in all; aiohttp's default is 8190 bytes per line.
+_MAX_HEAD_LINE: Final = 16 * 1024
+# What aiohttp's writer sends unchanged: a token for the name, and a value without CR, LF or NUL
+# (it raises on CR/LF, passes NUL); h11 checks the same before httpcore sends anything.
+_TOKEN: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE: Final = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """An ``httpx.AsyncBaseTransport`` over one ``aiohttp.ClientSession`` (asyncio only).
+
+    ```python
+    client = httpx.AsyncClient(transport=AiohttpTransport(limits=httpx.Limits(max_connections=64)))
+    ```
+
+    The session is created on the first request, in the loop that runs it (aiohttp's objects
+    belong to one loop), and closed by ``aclose()``. ``limits.max_connections`` bounds the pool
+    (aiohttp has no separate bound on idle connections); ``keepalive_expiry`` is how long an
+    idle one is kept. A request's ``pool`` timeout bounds the wait for a connection and its
+    creation, ``connect`` the TCP (and TLS) connect, ``read`` each read; there is no write
+    timeout (the gateway bounds the whole exchange up to the headers itself).
+    """
+
+    def __init__(self, *, limits: httpx.Limits, verify: bool = True, trust_env: bool = True) -> None:
+        self._limits = limits
+        self._verify = verify
+        self._trust_env = trust_env
+        self._session: aiohttp.ClientSession | None = None
+        self._timeouts: dict[tuple[float | None, ...], aiohttp.ClientTimeout] = {}
+        self._fallback: GuardedTransport | None = None
+        self._closed = False
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RuntimeError("the transport is closed")
+        limits = self._limits
+        connector = _GuardedConnector(
+            limit=limits.max_connections or 0,
+            limit_per_host=0,
+            keepalive_timeout=limits.keepalive_expiry,
+            ssl=httpx.create_ssl_context(verify=self._verify, trust_env=self._trust_env),
+        )
+        return aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,  # the relay sends the upstream's bytes as they are
+            skip_auto_headers=_SKIP_AUTO_HEADERS,
+            cookie_jar=aiohttp.DummyCookieJar(),  # one session serves every client: keep no cookies
+            timeout=aiohttp.ClientTimeout(total=None),
+            max_line_size=_MAX_HEAD_LINE,
+            max_field_size=_MAX_HEAD_LINE,
+        )
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        headers = _text_headers(request.headers.raw)
+        if headers is None:
+            return await self._fallback_transport().handle_async_request(request)
+        session = self._session
+        if session is None:
+            session = self._session = self._open()
+        framed = "content-length" in request.headers or "transfer-encoding" in request.headers
+        try:
+            response = await session.request(
+                request.method,
+                URL(str(request.url), encoded=True),  # as httpx encoded it: not re-quoted
+                headers=headers,
+                data=request.stream if framed else None,
+                allow_redirects=False,
+                compress=False,
+                timeout=self._timeout(request.extensions.get("timeout", {})),
+                server_hostname=request.extensions.get("sni_hostname"),
+            )
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            raise _mapped(exc) from None
+        return httpx.Response(
+            status_code=response.status,
+            headers=list(response.raw_headers),
+            stream=_Body(response),
+            request=request,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (response.reason or "").encode("latin-1")},
+        )
+
+    def _fallback_transport(self) -> GuardedTransport:
+        if self._fallback is None:
+            self._fallback = GuardedTransport(limits=self._limits, verify=self._verify, trust_env=self._trust_env)
+        return self._fallback
+
+    def _timeout(self, timeout: dict[str, float | None]) -> aiohttp.ClientTimeout:
+        key = (timeout.get("connect"), timeout.get("read"), timeout.get("pool"))
+        found = self._timeouts.get(key)
+        if found is None:
+            connect, read, pool = key
+            # aiohttp's connect timeout covers the wait for a pooled connection and the connect;
+            # its sock_connect the connect alone. A timeout in the connect is tagged as one
+            # (_GuardedConnector), so the rest of the time waited for the pool (PoolTimeout).
+            whole = None if pool is None or connect is None else pool + connect
+            found = aiohttp.ClientTimeout(total=None, connect=whole, sock_connect=connect, sock_read=read)
+            if len(self._timeouts) < 16:  # one client's timeouts: a handful at most
+                self._timeouts[key] = found
+        return found
+
+    def busy(self) -> list[str]:
+        """The connections in a request (idle keep-alive ones are fine), the requests waiting for one."""
+        busy: list[str] = []
+        session = self._session
+        connector = session.connector if session is not None else None
+        if connector is not None and not connector.closed:
+            busy += [f"aiohttp connection {proto!r}" for proto in list(connector._acquired)]
+            busy += [f"aiohttp waiter for {key}" for key, waiters in connector._waiters.items() if waiters]
+        if self._fallback is not None:
+            busy += self._fallback.busy()
+        return busy
+
+    async def aclose(self) -> None:
+        self._closed = True
+        session, self._session = self._session, None
+        fallback, self._fallback = self._fallback, None
+        try:
+            if session is not None:
+                await session.close()
+        finally:
+            if fallback is not None:
+                await fallback.aclose()
+
+
+def _text_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]] | None:
+    """The header fields as aiohttp takes them (text it writes back as UTF-8), or None if that
+    would not give back the same bytes, or would send what h11 refuses to."""
+    fields: list[tuple[str, str]] = []
+    for name, value in raw:
+        if _TOKEN.fullmatch(name) is None or _VALUE.fullmatch(value) is None:
+            return None
+        try:
+            fields.append((name.decode("ascii"), value.decode("utf-8")))
+        except UnicodeDecodeError:
+            return None
+    return fields
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response body read from aiohttp as it arrives; an iterator, not a generator, so that
+    stopping early leaves nothing to finalize. Closing it before its end closes the connection."""
+
+    __slots__ = ("_response",)
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._response.content.readany()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            raise _mapped(exc) from None
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        # A response read to its end gave its connection back to the pool at its last byte
+        # (aiohttp does that itself); one that did not end closes it here.
+        self._response.close()
+
+
+def _mapped(exc: BaseException) -> httpx.TransportError:
+    """The httpx exception httpcore raises for the same failure (see ``_upstream._send``)."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.SocketTimeoutError):
+        return httpx.ReadTimeout(message)
+    if isinstance(exc, aiohttp.ConnectionTimeoutError | asyncio.TimeoutError):
+        connecting = isinstance(exc.__cause__, _ConnectTimedOut) or isinstance(exc, _ConnectTimedOut)
+        return httpx.ConnectTimeout(message) if connecting else httpx.PoolTimeout(message)
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerFingerprintMismatch):
+        return httpx.ConnectError(message)
+    if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
+        return httpx.UnsupportedProtocol(message)
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientResponseError):
+        return httpx.RemoteProtocolError(message)
+    if isinstance(exc, aiohttp.ClientConnectionError | OSError):
+        return httpx.ReadError(message)
+    return httpx.RemoteProtocolError(message)
+
+
+class _ConnectTimedOut(asyncio.TimeoutError):
+    """The connect itself timed out (not the wait for a pooled connection)."""
+
+
+class _GuardedHandler(ResponseHandler):
+    """aiohttp's connection protocol, closed when the upstream sends anything after a complete
+    response: bytes while no request is out, or a second final response in the same read."""
+
+    _exchange = False  # a request is out and its response has not ended
+    _finals = 0  # final (non-1xx) responses parsed for it
+
+    def set_response_params(self, **kwargs: Any) -> None:
+        # Called for each request, before it is written.
+        self._exchange, self._finals = True, 0
+        super().set_response_params(**kwargs)
+
+    def data_received(self, data: bytes) -> None:
+        if data and not self._exchange:
+            self._leftover("bytes")
+            return
+        super().data_received(data)
+        payload = self._payload
+        if self._finals and payload is not None and payload.is_eof():
+            self._exchange = False
+
+    def feed_data(self, data: Any, size: int = 0) -> None:
+        message = data[0]
+        if message.code >= 200 or message.code == 101:
+            self._finals += 1
+            if self._finals > 1:
+                self._leftover("a second response")
+                return
+        super().feed_data(data, size)
+
+    def _leftover(self, what: str) -> None:
+        logger.warning("the upstream sent %s after a complete response: connection closed, not reused", what)
+        self._should_close = True
+        transport = self.transport
+        if transport is not None:
+            transport.close()
+
+
+class _GuardedConnector(aiohttp.TCPConnector):
+    """aiohttp's connector with ``_GuardedHandler`` connections, which tags a connect that timed out."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._factory = functools.partial(_GuardedHandler, loop=self._loop)  # type: ignore[assignment]
+
+    async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
+        try:
+            return await super()._create_connection(req, traces, timeout)
+        except asyncio.TimeoutError as exc:  # sock_connect ran out (not the pool wait around it)
+            raise _ConnectTimedOut(str(exc) or "connect timed out") from exc
