@@ -36,6 +36,7 @@ bounds aiohttp; ``tests/gateway/test_aiohttp.py`` fails if they move.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import re
@@ -52,6 +53,10 @@ from ._transport import GuardedTransport
 __all__ = ["AiohttpTransport"]
 
 logger = logging.getLogger(__name__)
+
+# Set per request: whether a timeout came while connecting (ConnectTimeout) or while waiting for a
+# pooled connection (PoolTimeout); aiohttp raises the same error for both.
+_connecting: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("asgi_lifetime_connecting")
 
 # Headers aiohttp adds unless told not to: the gateway sends only the client's and its own.
 _SKIP_AUTO_HEADERS: Final = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
@@ -74,8 +79,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     belong to one loop), and closed by ``aclose()``. ``limits.max_connections`` bounds the pool
     (aiohttp has no separate bound on idle connections); ``keepalive_expiry`` is how long an
     idle one is kept. A request's ``pool`` timeout bounds the wait for a connection and its
-    creation, ``connect`` the TCP (and TLS) connect, ``read`` each read; there is no write
-    timeout (the gateway bounds the whole exchange up to the headers itself).
+    creation (``PoolTimeout`` if it ran out in the wait), ``connect`` the TCP (and TLS) connect
+    (``ConnectTimeout``), ``read`` each read; there is no write timeout (the gateway bounds the
+    whole exchange up to the headers itself).
     """
 
     def __init__(self, *, limits: httpx.Limits, verify: bool = True, trust_env: bool = True) -> None:
@@ -115,6 +121,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if session is None:
             session = self._session = self._open()
         framed = "content-length" in request.headers or "transfer-encoding" in request.headers
+        connecting = [False]
+        _connecting.set(connecting)  # this request's task's context: the connector runs in it
         try:
             response = await session.request(
                 request.method,
@@ -126,6 +134,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 timeout=self._timeout(request.extensions.get("timeout", {})),
                 server_hostname=request.extensions.get("sni_hostname"),
             )
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise (httpx.ConnectTimeout if connecting[0] else httpx.PoolTimeout)(str(exc)) from None
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             raise _mapped(exc) from None
         return httpx.Response(
@@ -146,11 +156,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         found = self._timeouts.get(key)
         if found is None:
             connect, read, pool = key
-            # aiohttp's connect timeout covers the wait for a pooled connection and the connect;
-            # its sock_connect the connect alone. A timeout in the connect is tagged as one
-            # (_GuardedConnector), so the rest of the time waited for the pool (PoolTimeout).
-            whole = None if pool is None or connect is None else pool + connect
-            found = aiohttp.ClientTimeout(total=None, connect=whole, sock_connect=connect, sock_read=read)
+            # aiohttp's connect timeout covers the wait for a pooled connection and the connect
+            # that follows it; its sock_connect the connect alone.
+            found = aiohttp.ClientTimeout(total=None, connect=pool, sock_connect=connect, sock_read=read)
             if len(self._timeouts) < 16:  # one client's timeouts: a handful at most
                 self._timeouts[key] = found
         return found
@@ -225,9 +233,6 @@ def _mapped(exc: BaseException) -> httpx.TransportError:
     message = str(exc) or type(exc).__name__
     if isinstance(exc, aiohttp.SocketTimeoutError):
         return httpx.ReadTimeout(message)
-    if isinstance(exc, aiohttp.ConnectionTimeoutError | asyncio.TimeoutError):
-        connecting = isinstance(exc.__cause__, _ConnectTimedOut) or isinstance(exc, _ConnectTimedOut)
-        return httpx.ConnectTimeout(message) if connecting else httpx.PoolTimeout(message)
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerFingerprintMismatch):
         return httpx.ConnectError(message)
     if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
@@ -237,10 +242,6 @@ def _mapped(exc: BaseException) -> httpx.TransportError:
     if isinstance(exc, aiohttp.ClientConnectionError | OSError):
         return httpx.ReadError(message)
     return httpx.RemoteProtocolError(message)
-
-
-class _ConnectTimedOut(asyncio.TimeoutError):
-    """The connect itself timed out (not the wait for a pooled connection)."""
 
 
 class _GuardedHandler(ResponseHandler):
@@ -282,14 +283,14 @@ class _GuardedHandler(ResponseHandler):
 
 
 class _GuardedConnector(aiohttp.TCPConnector):
-    """aiohttp's connector with ``_GuardedHandler`` connections, which tags a connect that timed out."""
+    """aiohttp's connector with ``_GuardedHandler`` connections; it says when a request starts connecting."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._factory = functools.partial(_GuardedHandler, loop=self._loop)  # type: ignore[assignment]
 
     async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
-        try:
-            return await super()._create_connection(req, traces, timeout)
-        except asyncio.TimeoutError as exc:  # sock_connect ran out (not the pool wait around it)
-            raise _ConnectTimedOut(str(exc) or "connect timed out") from exc
+        connecting = _connecting.get(None)
+        if connecting is not None:
+            connecting[0] = True  # past the wait for the pool: a timeout from now on is the connect's
+        return await super()._create_connection(req, traces, timeout)

@@ -34,6 +34,7 @@ class RawRequest:
     headers: dict[str, str]
     body: bytes
     connection: int  # which accepted connection (0, 1, ...) carried it
+    raw_head: bytes = b""  # the request line and header lines as received
 
 
 @dataclass
@@ -69,7 +70,8 @@ def _read_request(sock: socket.socket, buffer: bytearray) -> tuple[RawRequest | 
         if not data:
             return None, bytearray()
         body += data
-    return RawRequest(method, target, headers, bytes(body[:length]), -1), bytearray(body[length:])
+    request = RawRequest(method, target, headers, bytes(body[:length]), -1, raw_head=head)
+    return request, bytearray(body[length:])
 
 
 @contextlib.contextmanager
