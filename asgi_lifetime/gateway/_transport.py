@@ -199,7 +199,10 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
 
 def aiohttp_available() -> bool:
     """Whether aiohttp can be imported (found without importing it: that takes a tenth of a second)."""
-    return importlib.util.find_spec("aiohttp") is not None
+    try:
+        return importlib.util.find_spec("aiohttp") is not None
+    except (ImportError, ValueError):  # an import hook refused it, or a half-removed install
+        return False
 
 
 def _on_trio() -> bool:
