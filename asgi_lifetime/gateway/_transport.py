@@ -197,6 +197,16 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
         return busy
 
 
+# httpcore's pool as imported: a mock of httpcore (respx's default) replaces it while it is active.
+_POOL_SEND = httpcore.AsyncConnectionPool.handle_async_request
+
+
+def _httpcore_mocked() -> bool:
+    """Whether httpcore's pool is mocked now (``respx.mock``): ``auto`` then sends through httpcore,
+    so tests that mock the upstream with respx keep working whatever the transport."""
+    return httpcore.AsyncConnectionPool.handle_async_request is not _POOL_SEND
+
+
 def aiohttp_available() -> bool:
     """Whether aiohttp can be imported (found without importing it: that takes a tenth of a second)."""
     try:
@@ -223,7 +233,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     ``auto``: aiohttp (``_aiohttp.AiohttpTransport``) on asyncio when it is installed, else
     httpcore (``GuardedTransport``); ``aiohttp``: aiohttp, and a ``ValueError`` if it is not
     installed (here) or the loop is trio's (at ``choose()``, which the gateway calls at startup);
-    ``httpcore``: ``GuardedTransport``.
+    ``httpcore``: ``GuardedTransport``. While httpcore is mocked (``respx.mock``), ``auto`` sends
+    through httpcore, where the mock answers.
 
     ```python
     client = httpx.AsyncClient(transport=UpstreamTransport(choice="auto", limits=httpx.Limits()))
@@ -239,6 +250,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         self._choice = choice
         self._limits = limits
         self._chosen: httpx.AsyncBaseTransport | None = None
+        self._mocked: GuardedTransport | None = None  # auto's httpcore while httpcore is mocked
 
     @property
     def name(self) -> Literal["aiohttp", "httpcore"] | None:
@@ -265,16 +277,26 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         return self._chosen
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return await self.choose().handle_async_request(request)
+        chosen = self._chosen or self.choose()
+        if self._choice == "auto" and not isinstance(chosen, GuardedTransport) and _httpcore_mocked():
+            if self._mocked is None:
+                self._mocked = GuardedTransport(limits=self._limits)
+            chosen = self._mocked
+        return await chosen.handle_async_request(request)
 
     def busy(self) -> list[str]:
         """The pooled connections in a request, and the requests waiting for one (for idle checks)."""
-        chosen = self._chosen
-        if chosen is None:
-            return []
-        busy: list[str] = chosen.busy()  # type: ignore[attr-defined]  # both transports have it
+        busy: list[str] = []
+        for transport in (self._chosen, self._mocked):
+            if transport is not None:
+                busy += transport.busy()  # type: ignore[attr-defined]  # both transports have it
         return busy
 
     async def aclose(self) -> None:
-        if self._chosen is not None:
-            await self._chosen.aclose()
+        chosen, mocked = self._chosen, self._mocked
+        try:
+            if chosen is not None:
+                await chosen.aclose()
+        finally:
+            if mocked is not None:
+                await mocked.aclose()
