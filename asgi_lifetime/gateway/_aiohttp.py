@@ -28,7 +28,10 @@ What holds on both transports (``tests/gateway/test_aiohttp.py`` checks it again
 
 A request whose header fields aiohttp cannot write byte for byte (it writes text as UTF-8: a
 value with obs-text that is not UTF-8) or would write unchecked (a NUL, a name that is not a
-token) goes through httpcore instead, which sends or refuses it exactly as before. Uses
+token) goes through httpcore instead, which sends or refuses it exactly as before. So do the
+requests to an upstream once aiohttp's stricter parser refused one of its response heads
+(Transfer-Encoding with Content-Length, bytes that are not HTTP after a response...): that
+attempt fails as a protocol error, and the retry goes through httpcore. Uses
 aiohttp internals (``ResponseHandler``, the connector's protocol factory), so ``pyproject.toml``
 bounds aiohttp; ``tests/gateway/test_aiohttp.py`` fails if they move.
 """
@@ -89,9 +92,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._limits = limits
         self._verify = verify
         self._trust_env = trust_env
+        # Made here, as httpx's transport makes it: a bad CA bundle fails at startup, not on a request.
+        self._ssl = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
         self._session: aiohttp.ClientSession | None = None
         self._timeouts: dict[tuple[float | None, ...], aiohttp.ClientTimeout] = {}
         self._fallback: GuardedTransport | None = None
+        self._lenient: set[bytes] = set()  # upstreams whose answers aiohttp's parser refused: sent by httpcore
         self._closed = False
 
     def _open(self) -> aiohttp.ClientSession:
@@ -102,7 +108,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             limit=limits.max_connections or 0,
             limit_per_host=0,
             keepalive_timeout=limits.keepalive_expiry,
-            ssl=httpx.create_ssl_context(verify=self._verify, trust_env=self._trust_env),
+            ssl=self._ssl,
         )
         return aiohttp.ClientSession(
             connector=connector,
@@ -116,7 +122,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         headers = _text_headers(request.headers.raw)
-        if headers is None:
+        if headers is None or request.url.netloc in self._lenient:
             return await self._fallback_transport().handle_async_request(request)
         session = self._session
         if session is None:
@@ -135,6 +141,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 timeout=self._timeout(request.extensions.get("timeout", {})),
                 server_hostname=request.extensions.get("sni_hostname"),
             )
+        except aiohttp.ClientResponseError as exc:
+            self._refused_head(request.url.netloc, exc)
+            raise _mapped(exc) from None
         except aiohttp.ConnectionTimeoutError as exc:
             raise (httpx.ConnectTimeout if connecting[0] else httpx.PoolTimeout)(str(exc)) from None
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
@@ -145,6 +154,19 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             stream=_Body(response),
             request=request,
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": (response.reason or "").encode("latin-1")},
+        )
+
+    def _refused_head(self, netloc: bytes, exc: aiohttp.ClientResponseError) -> None:
+        """aiohttp's parser refused a response head that h11 may take (llhttp refuses, among others,
+        Transfer-Encoding with Content-Length, which RFC 9112 lets a recipient read by the
+        Transfer-Encoding): this attempt fails (the retry loop may try again), and from now on
+        this upstream's requests go through httpcore, which reads such answers as before."""
+        if len(self._lenient) < 64:  # the configured upstreams: a handful
+            self._lenient.add(netloc)
+        logger.warning(
+            "the upstream %s sent a response aiohttp cannot parse (%s); its requests go through httpcore from now on",
+            netloc.decode("ascii", "replace"),
+            exc.message,
         )
 
     def _fallback_transport(self) -> GuardedTransport:
@@ -215,8 +237,15 @@ class _Body(httpx.AsyncByteStream):
         return self
 
     async def __anext__(self) -> bytes:
+        content = self._response.content
+        if content.exception() is not None:
+            # The connection broke after more of the body arrived: readany() would raise and drop
+            # those bytes, httpcore hands them over first (a cut answer is relayed as far as it came).
+            chunk = content._read_nowait(-1)
+            if chunk:
+                return chunk
         try:
-            chunk = await self._response.content.readany()
+            chunk = await content.readany()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             raise _mapped(exc) from None
         if not chunk:

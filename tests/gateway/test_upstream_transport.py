@@ -362,4 +362,5 @@ def test_aiohttp_internals_the_guard_relies_on() -> None:
     assert "_payload" in source and "_should_close" in ResponseHandler.__init__.__code__.co_names
     init = aiohttp.BaseConnector.__init__.__code__.co_names
     assert "_factory" in init and "_acquired" in init and "_waiters" in init
+    assert hasattr(aiohttp.StreamReader, "_read_nowait")
     assert hasattr(aiohttp.TCPConnector, "_create_connection") and issubclass(_GuardedConnector, aiohttp.TCPConnector)
