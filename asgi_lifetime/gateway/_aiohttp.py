@@ -49,7 +49,6 @@ from typing import Any, Final
 import aiohttp
 import httpx
 from aiohttp.client_proto import ResponseHandler
-from aiohttp.tcp_helpers import tcp_nodelay
 from yarl import URL
 
 from ._transport import GuardedTransport
@@ -280,14 +279,6 @@ class _GuardedHandler(ResponseHandler):
 
     _exchange = False  # a request is out and its response has not ended
     _finals = 0  # final (non-1xx) responses parsed for it
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        # asyncio sets TCP_NODELAY only on sockets made with proto=IPPROTO_TCP, and aiohttp makes the
-        # socket of an IP-literal upstream with proto 0: Nagle then holds the body back behind the
-        # head until the upstream's delayed ACK, 40 ms on Linux (measured: p50 29 ms instead of 7).
-        if isinstance(transport, asyncio.Transport):
-            tcp_nodelay(transport, True)
 
     def set_response_params(self, **kwargs: Any) -> None:
         # Called for each request, before it is written.
