@@ -63,6 +63,11 @@ _connecting: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("asgi_l
 
 # Headers aiohttp adds unless told not to: the gateway sends only the client's and its own.
 _SKIP_AUTO_HEADERS: Final = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
+# What a response body may buffer before aiohttp stops reading the socket (twice this). Its
+# buffer keeps each HTTP chunk as an object of its own: with the default (64 KiB) an upstream
+# dripping 2-byte chunks made a 2.5 MB peak while the relay held a 96 KiB event
+# (tests/reliability/test_attack_upstream.py); with 16 KiB it stays under that test's bound.
+_READ_BUFSIZE: Final = 16 * 1024
 # h11's limit on a response head is 16 KiB in all; aiohttp's default is 8190 bytes per line.
 _MAX_HEAD_LINE: Final = 16 * 1024
 # What aiohttp's writer sends unchanged: a token for the name, and a value without CR, LF or NUL
@@ -117,6 +122,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             timeout=aiohttp.ClientTimeout(total=None),
             max_line_size=_MAX_HEAD_LINE,
             max_field_size=_MAX_HEAD_LINE,
+            read_bufsize=_READ_BUFSIZE,
         )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
