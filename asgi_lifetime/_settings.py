@@ -166,6 +166,14 @@ def _session_store(value: Any) -> str | None:
     return "must be memory or a redis:// or rediss:// URL with a host"
 
 
+# UPSTREAM_TRANSPORT: what sends the upstream requests (httpx is the client API either way).
+UPSTREAM_TRANSPORTS: tuple[str, ...] = ("auto", "aiohttp", "httpcore")
+
+
+def _upstream_transport(value: Any) -> str | None:
+    return None if value in UPSTREAM_TRANSPORTS else f"must be one of {', '.join(UPSTREAM_TRANSPORTS)}"
+
+
 # RETAIN_OUTBOUND: where the outbound body is kept for one blind re-issue once retries settle.
 RetainOutbound = Literal["memory", "disk", "off"]
 RETAIN_MODES: tuple[RetainOutbound, ...] = ("memory", "disk", "off")
@@ -318,6 +326,13 @@ SETTINGS: dict[str, SettingSpec] = {
             " or api-key (Azure OpenAI).",
         ),
         SettingSpec("gateway_keys", _parse_list, _keys, "Comma-separated keys clients may present.", secret=True),
+        SettingSpec(
+            "upstream_transport",
+            _parse_lower,
+            _upstream_transport,
+            "What sends upstream requests: auto (aiohttp on asyncio when installed, else httpcore), aiohttp "
+            "(asyncio only; startup fails on trio) or httpcore (httpx's own transport).",
+        ),
         SettingSpec("upstream_cooloff", _parse_float, _non_negative, "Seconds an upstream that failed is skipped."),
         SettingSpec(
             "drain_delay",
@@ -378,6 +393,7 @@ class LifetimeSettings:
     upstream_api_key: str | None = field(default=None, repr=False)
     upstream_auth: str = "bearer"
     gateway_keys: tuple[str, ...] = field(default=(), repr=False)
+    upstream_transport: str = "auto"
     upstream_cooloff: float = 30.0
     drain_delay: float = 5.0
     shutdown_grace: float = 30.0

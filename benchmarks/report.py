@@ -15,6 +15,7 @@ LABELS = {
     "gw_unchanged": "asgi_lifetime, body unchanged",
     "gw_notrim": "asgi_lifetime, no malloc_trim",
     "gw_ka8": "asgi_lifetime, keep-alive pool 8 (diagnosis)",
+    "gw_httpcore": "asgi_lifetime, retain memory, httpcore transport",
     "ordinary": "ordinary proxy",
     "bare": "bare forwarder",
     "direct": "direct",

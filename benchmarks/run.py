@@ -143,6 +143,7 @@ LABELS = {
     "gw_unchanged": "asgi_lifetime gateway, body unchanged (no preparer)",
     "gw_notrim": "asgi_lifetime gateway, malloc_trim disabled",
     "gw_ka8": "asgi_lifetime gateway, upstream keep-alive pool capped at 8 (diagnosis)",
+    "gw_httpcore": "asgi_lifetime gateway, UPSTREAM_TRANSPORT=httpcore (httpx's own transport)",
     "ordinary": "ordinary Starlette + httpx proxy",
     "bare": "bare forwarder (lower bound)",
     "direct": "direct to upstream",
@@ -162,6 +163,8 @@ def server_for(key: str, upstream: str) -> Server:
         return Server("gateway", upstream=upstream, retain="memory", trim=False)
     if key == "gw_ka8":
         return Server("gateway", upstream=upstream, retain="memory", env={"BENCH_KEEPALIVE": "8"})
+    if key == "gw_httpcore":
+        return Server("gateway", upstream=upstream, retain="memory", settings={"upstream_transport": "httpcore"})
     if key == "ordinary":
         return Server("ordinary", upstream=upstream)
     if key == "bare":
@@ -390,7 +393,8 @@ async def _load(url: str, body: bytes, concurrency: int, seconds: float) -> tupl
 
 async def bench_overhead(mode: Mode, results: dict[str, Any]) -> None:
     body = small_body(size=1024, max_tokens=16)
-    keys = ["direct", "bare", "ordinary", "gw_on"] + (["gw_ka8"] if mode.name != "smoke" else [])
+    # gw_on sends over aiohttp (UPSTREAM_TRANSPORT=auto on uvicorn's asyncio), gw_httpcore over httpcore.
+    keys = ["direct", "bare", "ordinary", "gw_on", "gw_httpcore"] + (["gw_ka8"] if mode.name != "smoke" else [])
     table: dict[str, dict[str, Any]] = {}
     with Server("demo", tokens_per_second=1e6) as upstream:
         servers = {key: server_for(key, upstream.url) for key in keys if key != "direct"}

@@ -273,9 +273,7 @@ def leaks(app: Any, upstream: Any) -> list[str]:
     problems += [
         f"upstream {u['url']} inflight={u['inflight']}" for u in app.state.upstream.describe() if u["inflight"]
     ]
-    pool = app.state.upstream._client._transport._pool
-    problems += [repr(c) for c in pool.connections if not (c.is_idle() or c.is_closed())]
-    problems += [f"pool request {r!r}" for r in list(pool._requests)]
+    problems += app.state.upstream._client._transport.busy()  # aiohttp's pool or httpcore's
     if upstream.state.stats.active_streams:
         problems.append(f"upstream active_streams={upstream.state.stats.active_streams}")
     return problems

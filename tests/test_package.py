@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-EXTRAS = ("httpx", "httpcore", "h11", "prometheus_client", "rich", "psutil", "uvicorn", "redis")
+EXTRAS = ("httpx", "httpcore", "h11", "aiohttp", "yarl", "prometheus_client", "rich", "psutil", "uvicorn", "redis")
 
 # Run first in the child: record every process-wide hook the package registers from then on
 # (the standard library registers some of its own when first imported: random, threading).
@@ -87,6 +87,49 @@ def test_the_gateway_imports_redis_only_to_use_it() -> None:
         print(json.dumps(sorted(m for m in sys.modules if m.partition(".")[0] == "redis")))
     """)
     assert report == []  # type: ignore[comparison-overlap]
+
+
+def test_the_gateway_imports_aiohttp_only_where_it_sends() -> None:
+    """Building the app imports no aiohttp (a tenth of a second): choosing the transport in an
+    asyncio loop does."""
+    report = child_report("""
+        import json, sys, anyio
+        from asgi_lifetime import LifetimeSettings
+        from asgi_lifetime.gateway import create_app
+        app = create_app(LifetimeSettings(upstream_url=("http://127.0.0.1:9",)))
+        before = "aiohttp" in sys.modules
+        async def start():
+            async with app.router.lifespan_context(app):
+                return app.state.upstream.transport_name
+        name = anyio.run(start)
+        print(json.dumps([before, name, "aiohttp" in sys.modules]))
+    """)
+    assert report == [False, "aiohttp", True]  # type: ignore[comparison-overlap]
+
+
+def test_without_aiohttp_auto_sends_with_httpcore_and_aiohttp_says_what_to_install() -> None:
+    result = run(
+        BLOCK.replace(repr(EXTRAS), repr(("aiohttp",)))
+        + """
+import anyio
+from asgi_lifetime import LifetimeSettings
+from asgi_lifetime.gateway import create_app
+app = create_app(LifetimeSettings(upstream_url=("http://127.0.0.1:9",)))
+async def start():
+    async with app.router.lifespan_context(app):
+        return app.state.upstream.transport_name
+print(anyio.run(start))
+try:
+    create_app(LifetimeSettings(upstream_url=("http://127.0.0.1:9",), upstream_transport="aiohttp"))
+except ValueError as exc:
+    print(exc)
+"""
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no warning for falling back
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "httpcore"
+    assert "UPSTREAM_TRANSPORT=aiohttp needs aiohttp: pip install 'asgi-lifetime[gateway]'" in lines[1]
 
 
 def test_a_redis_session_store_without_the_redis_extra_says_what_to_install() -> None:

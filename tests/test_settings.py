@@ -315,8 +315,21 @@ INVALID_STRINGS = [
     ("session_store_timeout", "0"),
     ("error_body_limit", "0"),
     ("upstream_cooloff", "-1"),
+    ("upstream_transport", "curl"),
+    ("upstream_transport", ""),
     ("shutdown_grace", "-1"),
 ]
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("auto", "auto"), ("AIOHTTP", "aiohttp"), (" httpcore ", "httpcore")])
+def test_upstream_transport_choices(raw: str, expected: str) -> None:
+    assert LifetimeSettings.from_mapping({"upstream_transport": raw}).upstream_transport == expected
+    assert LifetimeSettings().upstream_transport == "auto"
+
+
+def test_upstream_transport_error_names_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"UPSTREAM_TRANSPORT=curl is invalid: must be one of auto, aiohttp, httpcore"):
+        LifetimeSettings(upstream_transport="curl")
 
 
 @pytest.mark.parametrize(("key", "raw"), INVALID_STRINGS)

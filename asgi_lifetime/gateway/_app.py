@@ -139,6 +139,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        upstream.start()  # UPSTREAM_TRANSPORT is chosen in this loop: one it cannot run fails startup
         try:
             async with anyio.create_task_group() as tg:
                 # Created here, in the loop that serves requests (an Event belongs to one loop).

@@ -17,7 +17,9 @@ pins httpcore to the 1.0 series; ``tests/test_transport.py`` fails if they move.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
+import sys
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -26,7 +28,14 @@ import h11
 import httpcore
 import httpx
 
-__all__ = ["CLOSE_TIMEOUT", "GuardedTransport", "close_response", "stop_reading"]
+__all__ = [
+    "CLOSE_TIMEOUT",
+    "GuardedTransport",
+    "UpstreamTransport",
+    "aiohttp_available",
+    "close_response",
+    "stop_reading",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +187,116 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
         )
+
+    def busy(self) -> list[str]:
+        """The pooled connections in a request (idle keep-alive ones are fine), and the requests
+        the pool serves or queues."""
+        pool: httpcore.AsyncConnectionPool = self._pool
+        busy = [repr(conn) for conn in pool.connections if not (conn.is_idle() or conn.is_closed())]
+        busy += [f"pool request {request!r}" for request in list(pool._requests)]
+        return busy
+
+
+# httpcore's pool as imported: a mock of httpcore (respx's default) replaces it while it is active.
+_POOL_SEND = httpcore.AsyncConnectionPool.handle_async_request
+
+
+def _httpcore_mocked() -> bool:
+    """Whether httpcore's pool is mocked now (``respx.mock``): ``auto`` then sends through httpcore,
+    so tests that mock the upstream with respx keep working whatever the transport."""
+    return httpcore.AsyncConnectionPool.handle_async_request is not _POOL_SEND
+
+
+def aiohttp_available() -> bool:
+    """Whether aiohttp can be imported (found without importing it: that takes a tenth of a second)."""
+    try:
+        return importlib.util.find_spec("aiohttp") is not None
+    except (ImportError, ValueError):  # an import hook refused it, or a half-removed install
+        return False
+
+
+def _on_trio() -> bool:
+    """Whether the running event loop is trio's (anyio runs on asyncio or trio)."""
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return False
+    return True
+
+
+class UpstreamTransport(httpx.AsyncBaseTransport):
+    """The transport ``UPSTREAM_TRANSPORT`` names, chosen in the event loop that serves requests.
+
+    ``auto``: aiohttp (``_aiohttp.AiohttpTransport``) on asyncio when it is installed, else
+    httpcore (``GuardedTransport``); ``aiohttp``: aiohttp, and a ``ValueError`` if it is not
+    installed (here) or the loop is trio's (at ``choose()``, which the gateway calls at startup);
+    ``httpcore``: ``GuardedTransport``. While httpcore is mocked (``respx.mock``), ``auto`` sends
+    through httpcore, where the mock answers.
+
+    ```python
+    client = httpx.AsyncClient(transport=UpstreamTransport(choice="auto", limits=httpx.Limits()))
+    ```
+    """
+
+    def __init__(self, *, choice: str, limits: httpx.Limits) -> None:
+        if choice == "aiohttp" and not aiohttp_available():
+            raise ValueError(
+                "ASGI_LIFETIME_UPSTREAM_TRANSPORT=aiohttp needs aiohttp: pip install 'asgi-lifetime[gateway]' "
+                "(or set it to auto or httpcore)"
+            )
+        self._choice = choice
+        self._limits = limits
+        self._chosen: httpx.AsyncBaseTransport | None = None
+        self._mocked: GuardedTransport | None = None  # auto's httpcore while httpcore is mocked
+
+    @property
+    def name(self) -> Literal["aiohttp", "httpcore"] | None:
+        """The transport in use, once chosen."""
+        if self._chosen is None:
+            return None
+        return "httpcore" if isinstance(self._chosen, GuardedTransport) else "aiohttp"
+
+    def choose(self) -> httpx.AsyncBaseTransport:
+        """The transport of this event loop, chosen on the first call (in the serving loop)."""
+        if self._chosen is None:
+            trio = _on_trio()
+            if self._choice == "aiohttp" and trio:
+                raise ValueError(
+                    "ASGI_LIFETIME_UPSTREAM_TRANSPORT=aiohttp is invalid on trio: aiohttp runs on asyncio only "
+                    "(set it to auto or httpcore)"
+                )
+            if self._choice == "aiohttp" or (self._choice == "auto" and not trio and aiohttp_available()):
+                from ._aiohttp import AiohttpTransport  # imported only where it runs
+
+                self._chosen = AiohttpTransport(limits=self._limits)
+            else:
+                self._chosen = GuardedTransport(limits=self._limits)
+        return self._chosen
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        chosen = self._chosen or self.choose()
+        if self._choice == "auto" and not isinstance(chosen, GuardedTransport) and _httpcore_mocked():
+            if self._mocked is None:
+                self._mocked = GuardedTransport(limits=self._limits)
+            chosen = self._mocked
+        return await chosen.handle_async_request(request)
+
+    def busy(self) -> list[str]:
+        """The pooled connections in a request, and the requests waiting for one (for idle checks)."""
+        busy: list[str] = []
+        for transport in (self._chosen, self._mocked):
+            if transport is not None:
+                busy += transport.busy()  # type: ignore[attr-defined]  # both transports have it
+        return busy
+
+    async def aclose(self) -> None:
+        chosen, mocked = self._chosen, self._mocked
+        try:
+            if chosen is not None:
+                await chosen.aclose()
+        finally:
+            if mocked is not None:
+                await mocked.aclose()

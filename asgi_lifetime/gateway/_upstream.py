@@ -40,7 +40,7 @@ from ._prepare import Prepared
 from ._refold import match_overflow, match_rejected_role
 from ._retry import Retry, asked_wait, resend_safe, says_no_retry
 from ._spill import SLICE, SpilledBody
-from ._transport import GuardedTransport
+from ._transport import UpstreamTransport
 
 __all__ = ["AttemptEvent", "UpstreamClient"]
 
@@ -319,6 +319,7 @@ class UpstreamClient:
         self._basic = {url: value for url in urls if (value := settings.upstream_authorization(url)) is not None}
         self._pool = UpstreamPool(urls, cooloff=settings.upstream_cooloff)
         self._owns_client = client is None
+        self._transport: UpstreamTransport | None = None
         self._scrubber = KeyScrubber(settings.upstream_api_key)
         if client is None:
             # No read timeout: the headers wait is bounded below, the body by the relay's stall guard.
@@ -332,9 +333,10 @@ class UpstreamClient:
                 max_connections=settings.max_inflight, max_keepalive_connections=settings.max_inflight
             )
             if transport is None:
-                # httpx's own transport, except that a connection with bytes left over after a
-                # response is closed instead of handing those bytes to the next request.
-                transport = GuardedTransport(limits=limits)
+                # UPSTREAM_TRANSPORT: aiohttp on asyncio, httpx's own on trio; either closes a
+                # connection with bytes left over after a response instead of handing those bytes
+                # to the next request.
+                transport = self._transport = UpstreamTransport(choice=settings.upstream_transport, limits=limits)
             client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
             # httpx's defaults would go out as if the client had sent them: an Accept-Encoding it never
             # asked for (the upstream then compresses, and an encoded stream escapes the relay's
@@ -349,6 +351,20 @@ class UpstreamClient:
         self._sleep: Callable[[float], Awaitable[None]] = anyio.sleep
         self._clock: Callable[[], float] = anyio.current_time
         self._random = random.Random()
+
+    @property
+    def transport_name(self) -> str:
+        """``aiohttp`` or ``httpcore`` (``UPSTREAM_TRANSPORT``, once ``start()`` or a request chose it),
+        ``custom`` for a client or transport passed in, or ``unchosen``."""
+        if self._transport is None:
+            return "custom"
+        return self._transport.name or "unchosen"
+
+    def start(self) -> None:
+        """Choose the transport in the loop that will serve requests (the gateway's startup): an
+        ``UPSTREAM_TRANSPORT`` this loop cannot run fails here (``ValueError``), not per request."""
+        if self._transport is not None:
+            self._transport.choose()
 
     async def aclose(self) -> None:
         if self._owns_client:

@@ -73,6 +73,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "upstream_auth": ("X-API-Key", "x-api-key"),
     "gateway_keys": ("gk-1,gk-2", ("gk-1", "gk-2")),
     "upstream_cooloff": ("1", 1.0),
+    "upstream_transport": ("httpcore", "httpcore"),
     "drain_delay": ("0", 0.0),
     "shutdown_grace": ("10", 10.0),
 }

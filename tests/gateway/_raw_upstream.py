@@ -19,10 +19,11 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-# A script step: bytes are written; CLOSE hangs up; HOLD waits (bounded) until the peer hangs up.
+# A script step: bytes are written; CLOSE hangs up; HOLD waits (bounded) until the peer hangs up;
+# a callable is called (it may block on an event) and what it returns is written.
 CLOSE = "close"
 HOLD = "hold"
-Script = list[bytes | str]
+Script = list[bytes | str | Callable[[], bytes]]
 _HOLD_LIMIT = 30.0
 
 
@@ -33,6 +34,7 @@ class RawRequest:
     headers: dict[str, str]
     body: bytes
     connection: int  # which accepted connection (0, 1, ...) carried it
+    raw_head: bytes = b""  # the request line and header lines as received
 
 
 @dataclass
@@ -42,6 +44,7 @@ class RawUpstream:
     connections: int = 0
     held: threading.Event = field(default_factory=threading.Event)  # a HOLD step is waiting
     released: threading.Event = field(default_factory=threading.Event)  # its peer hung up
+    hung_up: set[int] = field(default_factory=set)  # connections the peer closed between requests
 
     def targets(self) -> list[str]:
         return [r.target for r in self.requests]
@@ -67,7 +70,8 @@ def _read_request(sock: socket.socket, buffer: bytearray) -> tuple[RawRequest | 
         if not data:
             return None, bytearray()
         body += data
-    return RawRequest(method, target, headers, bytes(body[:length]), -1), bytearray(body[length:])
+    request = RawRequest(method, target, headers, bytes(body[:length]), -1, raw_head=head)
+    return request, bytearray(body[length:])
 
 
 @contextlib.contextmanager
@@ -90,6 +94,8 @@ def raw_upstream(answer: Callable[[RawRequest], Script]) -> Iterator[RawUpstream
                 while not stop.is_set():
                     request, buffer = _read_request(sock, buffer)
                     if request is None:
+                        with lock:
+                            upstream.hung_up.add(number)
                         return
                     request.connection = number
                     with lock:
@@ -103,6 +109,8 @@ def raw_upstream(answer: Callable[[RawRequest], Script]) -> Iterator[RawUpstream
                                 pass
                             upstream.released.set()
                             return
+                        if callable(step):
+                            step = step()
                         assert isinstance(step, bytes)
                         sock.sendall(step)
             except OSError:

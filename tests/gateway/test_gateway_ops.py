@@ -451,12 +451,12 @@ def test_user_info_survives_replace_and_export_and_is_masked() -> None:
 async def test_user_info_keeps_the_guarded_pool_and_reaches_a_client_of_your_own() -> None:
     """The user info is added where the request is built: the gateway's own transport stays the one
     that never reuses a desynchronised connection, and a client= of the caller's sends it too."""
-    from asgi_lifetime.gateway._transport import GuardedTransport
+    from asgi_lifetime.gateway._transport import UpstreamTransport
 
     config = settings(upstream_url=("http://user:pw@upstream.test/base",))
     app = create_app(config)
     try:
-        assert isinstance(app.state.upstream._client._transport, GuardedTransport)
+        assert isinstance(app.state.upstream._client._transport, UpstreamTransport)
     finally:
         await app.state.upstream.aclose()
     seen: list[httpx.Request] = []

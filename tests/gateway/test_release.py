@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import gc
 import json
+import socket
+import threading
 import tracemalloc
 import types
 import weakref
@@ -44,8 +46,10 @@ from asgi_lifetime._settings import RetainOutbound
 from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._prepare import Draft, Prepared
 from asgi_lifetime.gateway._refold import Conversation
+from asgi_lifetime.gateway._transport import UpstreamTransport
 
 from ..reliability.test_faults import eventually
+from ._raw_upstream import chunked
 
 pytestmark = pytest.mark.anyio
 
@@ -314,3 +318,119 @@ async def test_input_is_released_before_the_answer_streams(body: bytes, retain: 
     assert lifetime.stats().idle, lifetime.stats()
     assert final_memory / len(body) < 0.3, f"traced {final_memory} bytes after the response"
     assert probe.alive() == (0, 0)
+
+
+class SocketUpstream:
+    """The same answer from a loopback socket, so that the gateway's own network transport
+    (aiohttp or httpcore) sends the body: hashed as it arrives, nothing of it kept."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.gate = threading.Event()
+        self.requests = 0
+        self.received = 0
+        self.hasher = blake3()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.listener.settimeout(30)
+        sock, _ = self.listener.accept()
+        with sock:
+            sock.settimeout(30)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(65536)
+            head, _, rest = head.partition(b"\r\n\r\n")
+            fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:])
+            length = int({k.strip().lower(): v for k, v in fields.items()}[b"content-length"])
+            self.requests += 1
+            self.received, piece = len(rest), rest
+            self.hasher.update(piece)
+            while self.received < length:
+                piece = sock.recv(min(65536, length - self.received))
+                self.received += len(piece)
+                self.hasher.update(piece)
+            del piece
+            sock.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                + chunked(FIRST_EVENT, size=len(FIRST_EVENT)).removesuffix(b"0\r\n\r\n")
+            )
+            self.gate.wait(30)
+            sock.sendall(chunked(LAST_EVENTS, size=len(LAST_EVENTS)))
+            sock.recv(1)  # until the gateway closes its pooled connection (aclose)
+
+    def close(self) -> None:
+        self.gate.set()
+        self.thread.join(30)
+        self.listener.close()
+
+
+class Probing(httpx.AsyncBaseTransport):
+    """The gateway's network transport, with the probe looking for the closures during the attempt."""
+
+    def __init__(self, probe: Probe, inner: UpstreamTransport) -> None:
+        self.probe = probe
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.probe.find_closures()
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.parametrize("transport", ["auto", "httpcore"])
+@pytest.mark.parametrize("retain", ["off", "memory", "disk"])
+async def test_input_is_released_over_each_network_transport(
+    body: bytes, retain: RetainOutbound, transport: str, anyio_backend: str
+) -> None:
+    """The release proof again, the body sent over a socket by UPSTREAM_TRANSPORT's transport
+    (auto: aiohttp on asyncio, httpcore on trio): neither keeps the body once it is sent."""
+    probe = Probe()
+    upstream = SocketUpstream()
+    settings = LifetimeSettings(
+        upstream_url=(upstream.url,), retain_outbound=retain, stall_timeout=30.0, keepalive_interval=30.0
+    )
+    limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
+    network = UpstreamTransport(choice=transport, limits=limits)
+    app = create_app(settings, preparers=[probe.track(False)], transport=Probing(probe, network))
+    lifetime = app.state.lifetime
+    client = Client(body)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(app, scope_for(body), client.receive, client.send)
+                await client.first_event.wait()
+                if retain == "disk":
+                    await eventually(lambda: lifetime.stats().spilled == 1, seconds=20)
+                gc.collect()
+                streaming_memory = tracemalloc.get_traced_memory()[0]
+                stats = lifetime.stats()
+                assert not client.ended
+                upstream.gate.set()
+            client.hang_up.set()
+        gc.collect()
+        final_memory = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+        await app.state.upstream.aclose()
+        upstream.close()
+    expected = "httpcore" if transport == "httpcore" or anyio_backend == "trio" else "aiohttp"
+    assert network.name == expected
+    assert upstream.requests == 1 and upstream.received == len(body)
+    assert upstream.hasher.hexdigest() == blake3(body).hexdigest()
+    assert len(probe.closures) == 2 and probe.alive() == (0, 0)
+    ratio = streaming_memory / len(body)
+    if retain == "memory":
+        assert 0.8 < ratio < 1.6, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
+    else:
+        assert ratio < 0.3, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
+    assert stats.retained_input_bytes == (len(body) if retain == "memory" else 0)
+    assert client.ended and bytes(client.received) == FIRST_EVENT + LAST_EVENTS
+    assert lifetime.stats().idle, lifetime.stats()
+    assert final_memory / len(body) < 0.3, f"traced {final_memory} bytes after the response"

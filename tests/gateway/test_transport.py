@@ -3,13 +3,19 @@
 A raw-socket upstream misbehaves in its answer to a first request (a second response after it,
 a body on a HEAD/204/304, a Content-Length counted in characters, more bytes than its
 Content-Length, plain garbage); a second client request follows on what would be the same
-pooled connection. The second client must get the upstream's real answer to ITS request, and
-the upstream must see each request exactly once (no retry caused by the desync).
+pooled connection. The second client must get the upstream's real answer to ITS request, on
+another connection, on both transports (``UPSTREAM_TRANSPORT``).
+
+With httpcore the first client gets the first response and the upstream sees each request
+once. aiohttp's parser fails a whole read that ends in bytes that are not HTTP: a response
+followed in the same read by such leftovers is a protocol error, retried like any other, and
+from then on that upstream is sent to through httpcore; nothing of it reaches another request.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 import types
 from typing import Any
 
@@ -22,7 +28,7 @@ import pytest
 from asgi_lifetime.gateway._relay import relay
 from asgi_lifetime.gateway._transport import GuardedTransport, _leftover, stop_reading
 
-from ..reliability.test_faults import assert_idle, running
+from ..reliability.test_faults import assert_idle, eventually, running
 from ._raw_upstream import HOLD, RawRequest, Script, chunked, raw_upstream, response
 
 pytestmark = pytest.mark.anyio
@@ -69,29 +75,93 @@ def script(first: bytes) -> Any:
     return answer
 
 
+TRANSPORTS = ["httpcore", "aiohttp"]
+# aiohttp fails these as protocol errors: the leftovers are not HTTP and came in the response's read.
+NOT_HTTP_AFTER = {
+    "body on a HEAD response",
+    "body on a 204",
+    "body on a 304",
+    "content-length counted in characters",
+    "body longer than its content-length",
+    "garbage after the response",
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("case", list(MISBEHAVIOURS))
-async def test_leftover_bytes_never_reach_the_next_request(case: str) -> None:
+async def test_leftover_bytes_never_reach_the_next_request(case: str, transport: str) -> None:
     method, first, status = MISBEHAVIOURS[case]
-    with raw_upstream(script(first)) as upstream, running(upstream_url=upstream.url) as stack:
+    with (
+        raw_upstream(script(first)) as upstream,
+        running(upstream_url=upstream.url, upstream_transport=transport) as stack,
+    ):
         async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
             one = await client.request(method, "/v1/first", json={} if method == "POST" else None)
             two = await client.post("/v1/second", json={})
         await assert_idle(stack.app, stack.url)
-    assert one.status_code == status
+        assert stack.app.state.upstream.transport_name == transport
     assert two.status_code == 200 and two.content == SECOND
-    assert upstream.targets() == ["/v1/first", "/v1/second"]  # each seen once: no retry
     # The connection with leftovers was closed, not reused.
+    second = upstream.requests[-1]
+    assert second.target == "/v1/second"
+    assert all(r.connection != second.connection for r in upstream.requests[:-1])
+    assert one.status_code == status
+    if transport == "aiohttp" and case in NOT_HTTP_AFTER:
+        # The first attempt failed; the retry, and every request after it, went through httpcore.
+        assert upstream.targets() == ["/v1/first", "/v1/first", "/v1/second"]
+    else:
+        assert upstream.targets() == ["/v1/first", "/v1/second"]  # each seen once: no retry
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("case", ["second response after the first", "garbage after the response"])
+async def test_leftovers_arriving_while_the_connection_is_idle_close_it(case: str, transport: str) -> None:
+    """The leftovers come in a read of their own, once the response has ended and its connection
+    is back in the pool: aiohttp would parse a second response into the idle connection's queue
+    and hand it to the next request on it."""
+    method, first, status = MISBEHAVIOURS[case]
+    ended = response(200, b'{"first": 1}')
+    after = first[len(ended) :]
+    answered, written = threading.Event(), threading.Event()
+
+    def leftovers() -> bytes:
+        answered.wait(10)  # the client has the whole response: its connection is back in the pool
+        return after
+
+    def answer(request: RawRequest) -> Script:
+        if request.target.startswith("/v1/first"):
+            return [ended, leftovers, lambda: written.set() or b""]
+        return [response(200, SECOND, headers=(("content-type", "application/json"),))]
+
+    with raw_upstream(answer) as upstream, running(upstream_url=upstream.url, upstream_transport=transport) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+            one = await client.post("/v1/first", json={})
+            assert one.status_code == status and one.content == b'{"first": 1}'
+            answered.set()
+            await eventually(written.is_set, seconds=5)  # on loopback, in the gateway's socket by now
+            if transport == "aiohttp":
+                # aiohttp reads them at once: the guard closes the idle connection.
+                await eventually(lambda: 0 in upstream.hung_up, seconds=5)
+            two = await client.post("/v1/second", json={})
+        await assert_idle(stack.app, stack.url)
+    assert two.status_code == 200 and two.content == SECOND
+    assert upstream.targets() == ["/v1/first", "/v1/second"]
     assert upstream.requests[1].connection != upstream.requests[0].connection
 
 
-async def test_a_clean_response_keeps_its_connection_pooled() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_clean_response_keeps_its_connection_pooled(transport: str) -> None:
     # The guard must not cost keep-alive: a well-behaved upstream keeps one connection.
-    with raw_upstream(script(response(200, b'{"first": 1}'))) as upstream, running(upstream_url=upstream.url) as stack:
+    with (
+        raw_upstream(script(response(200, b'{"first": 1}'))) as upstream,
+        running(upstream_url=upstream.url, upstream_transport=transport) as stack,
+    ):
         async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
             for _ in range(3):
                 assert (await client.post("/v1/first", json={})).status_code == 200
             assert (await client.post("/v1/second", json={})).content == SECOND
         await assert_idle(stack.app, stack.url)
+        assert stack.app.state.upstream.transport_name == transport
     assert upstream.connections == 1
     assert {r.connection for r in upstream.requests} == {0}
 
@@ -193,3 +263,33 @@ async def test_stopping_between_chunks_ends_every_stream_generator(stop: str) ->
                 gc.enable()
     assert response.is_closed
     assert len(left) <= len(before), left
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_second_response_in_the_read_that_ends_the_body_is_never_handed_on(transport: str) -> None:
+    """The head was read in one read; the end of the body and a second response come in the next.
+    aiohttp gives the connection back to its pool as the body's last byte is parsed, before the
+    rest of that read: the second response would wait in the pooled connection's queue."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 10\r\n\r\nhello"
+    rest = b"world" + response(200, b'{"smuggled": 1}')
+    started = threading.Event()
+
+    def answer(request: RawRequest) -> Script:
+        if request.target.startswith("/v1/first"):
+            return [head, lambda: rest if started.wait(10) else b""]
+        return [response(200, SECOND, headers=(("content-type", "application/json"),))]
+
+    with raw_upstream(answer) as upstream, running(upstream_url=upstream.url, upstream_transport=transport) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+            async with client.stream("POST", "/v1/first", json={}) as one:
+                iterator = one.aiter_raw()
+                received = await iterator.__anext__()
+                started.set()
+                async for piece in iterator:
+                    received += piece
+            assert received == b"helloworld"
+            two = await client.post("/v1/second", json={})
+        await assert_idle(stack.app, stack.url)
+    assert two.status_code == 200 and two.content == SECOND
+    assert upstream.targets() == ["/v1/first", "/v1/second"]
+    assert upstream.requests[1].connection != upstream.requests[0].connection

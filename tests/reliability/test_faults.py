@@ -142,15 +142,9 @@ def running(
 
 
 def busy_connections(app: Starlette) -> list[str]:
-    """Connections of the gateway's httpx pool that are in a request (idle keep-alive ones are fine).
-
-    httpcore's ``AsyncConnectionPool`` keeps its connections in ``.connections`` and the requests
-    it is serving or queueing in ``._requests``; an HTTP/1.1 connection is ``is_idle()`` between
-    requests and ``is_closed()`` once closed, ``ACTIVE`` (or still ``CONNECTING``) otherwise.
-    """
-    pool = app.state.upstream._client._transport._pool
-    busy = [repr(conn) for conn in pool.connections if not (conn.is_idle() or conn.is_closed())]
-    busy += [f"pool request {request!r}" for request in list(pool._requests)]
+    """Connections of the gateway's upstream pool (httpcore's or aiohttp's, ``UPSTREAM_TRANSPORT``) that
+    are in a request (idle keep-alive ones are fine), and requests waiting for one."""
+    busy: list[str] = app.state.upstream._client._transport.busy()
     return busy
 
 
