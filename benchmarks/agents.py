@@ -189,9 +189,12 @@ async def _agent(
             await conn.__aexit__(None, None, None)
 
 
-def _in_flight(requests: list[_Request], times: list[float]) -> list[int]:
-    """For each time (sorted), the number of requests sent and not yet answered to the last byte."""
-    events = sorted([(r.started, 1) for r in requests] + [(r.ended, -1) for r in requests])
+def _in_flight(requests: list[_Request], times: list[float], *, until_first_byte: bool = False) -> list[int]:
+    """For each time (sorted), the number of requests sent and not yet answered to the last byte (or,
+    ``until_first_byte``, not yet answered at all: received, parsed, prepared or waiting for the CPU)."""
+    events = sorted(
+        [(r.started, 1) for r in requests] + [(r.first_byte if until_first_byte else r.ended, -1) for r in requests]
+    )
     counts, current, at = [], 0, 0
     for t in times:
         while at < len(events) and events[at][0] <= t:
@@ -251,6 +254,7 @@ async def one_run(
     if len(steady) < 10:  # a very short run (smoke): the whole load
         steady = [(t, rss) for t, rss in samples if t0 <= t <= last]
     flight = _in_flight(requests, [t for t, _ in steady])
+    waiting = _in_flight(requests, [t for t, _ in steady], until_first_byte=True)
     median_rss = statistics.median(rss for _, rss in steady) - base
     median_flight = statistics.median(flight) if flight else 0
     wire = statistics.fmean(r.size for r in requests) if requests else 0.0
@@ -279,6 +283,9 @@ async def one_run(
         "wire_size": wire,
         "median_steady": median_rss,
         "median_in_flight": median_flight,
+        # Of those, how many had no answer yet (their bodies received or being received, parsed, prepared).
+        "median_before_first_byte": statistics.median(waiting) if waiting else 0,
+        "mean_before_first_byte": statistics.fmean(waiting) if waiting else 0.0,
         "held_per_request": median_rss / (median_flight * wire) if median_flight and wire else None,
         "peak": max(loaded) - base if loaded else 0,
         "after": after,
@@ -299,6 +306,7 @@ async def one_run(
     log(
         f"agents c={clients} {key}: {record['requests']} requests, {record['errors']} errors, "
         f"{record['throughput']:.2f} req/s; steady {median_rss / MiB:.1f} MiB over {median_flight} in flight "
+        f"({record['mean_before_first_byte']:.1f} before their first byte) "
         f"({'-' if held is None else f'{held:.3f}x'}), peak {record['peak'] / MiB:.0f} MiB, "
         f"after {after / MiB:.1f} MiB (drift {record['drift'] / MiB:+.1f})"
     )

@@ -957,6 +957,14 @@ def _agents_miss(agents: dict[str, Any]) -> str:
             )
             if r["after"] >= 0.5 * r["median_steady"]:
                 text += ": most of it is not held by the requests in flight but kept by the process after them"
+            waiting = r.get("mean_before_first_byte")
+            if waiting is not None and waiting >= 0.1 * r["median_in_flight"]:
+                text += (
+                    f"; {waiting:.1f} of its {r['median_in_flight']:g} requests in flight had no answer yet, on "
+                    f"average (TTFB p50 {r['ttfb_p50']:.1f} s, load average {max(r['load']):.1f} on "
+                    f"{agents.get('machine', {}).get('cores', '?')} cores): received and waiting to be parsed "
+                    "and prepared, each holding its body"
+                )
             t = trim.get(r["clients"])
             if t is not None:
                 text += (
@@ -990,7 +998,9 @@ def _agents(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
         f"baseline, sampled every {agents['sample_interval'] * 1000:.0f} ms. *Median while loaded*: over the "
         "steady window, from one and a half answers after the first agent started to the last new turn. *Held "
         "per in-flight request*: that median over the median number of requests in flight then (sent, not yet "
-        "answered to the last byte) times the mean wire size of the bodies sent. *Peak*: the highest RSS from the "
+        "answered to the last byte) times the mean wire size of the bodies sent; *no answer yet*: the mean "
+        "number of those without their first response byte yet (being received, parsed, prepared, or waiting "
+        "for the CPU: each holds its body). *Peak*: the highest RSS from the "
         f"first request to the last answer. *After the run*: the median over the last second of "
         f"{agents['after_seconds']:g} s of quiet after the last answer; *drift*: that minus the first second's. "
         "*CPU per request*: the target process's CPU time over the load, per request (noisy: shared cores). "
@@ -1006,8 +1016,9 @@ def _agents(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
     )
     add("")
     add(
-        "| agents | target | requests (failed) | req/s | in flight | median while loaded | held per in-flight "
-        "request | peak | after the run (drift) | TTFB p50 | CPU per request | bodies moved to disk |"
+        "| agents | target | requests (failed) | req/s | in flight (no answer yet) | median while loaded | "
+        "held per in-flight request | peak | after the run (drift) | TTFB p50 | CPU per request | "
+        "bodies moved to disk |"
     )
     add("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for clients in agents["clients"]:
@@ -1019,9 +1030,10 @@ def _agents(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
                 else "-"
             )
             ttfb = "-" if r["ttfb_p50"] is None else f"{r['ttfb_p50'] * 1000:.0f} ms"
+            waiting = f" ({r['mean_before_first_byte']:.1f})" if "mean_before_first_byte" in r else ""
             add(
                 f"| {clients} | {AGENT_LABELS.get(r['gateway'], r['gateway'])} | {r['requests']} ({r['errors']}) | "
-                f"{r['throughput']:.2f} | {r['median_in_flight']:g} | {r['median_steady'] / MiB:.1f} MiB | "
+                f"{r['throughput']:.2f} | {r['median_in_flight']:g}{waiting} | {r['median_steady'] / MiB:.1f} MiB | "
                 f"{_held(r)} | {r['peak'] / MiB:.0f} MiB | {r['after'] / MiB:.1f} MiB ({r['drift'] / MiB:+.1f}) | "
                 f"{ttfb} | {r['cpu_per_request'] * 1000:.0f} ms | {moved} |"
             )
@@ -1221,6 +1233,8 @@ def _plot_sweep(sweep: list[dict[str, Any]], path: Path) -> None:
 
 def _plot_agents(agents: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter
+
     counts = agents["clients"]
     fig, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.2), dpi=110, squeeze=False)
     for ax, clients in zip(axes[0], counts, strict=True):
@@ -1251,7 +1265,8 @@ def _plot_agents(agents: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("RSS above warm baseline (MiB)")
         ax.set_title(f"{clients} agents, {_wire(agents['body_size'])} conversations")
         ax.title.set_fontsize(10)
-        ax.set_yscale("symlog", linthresh=10)
+        ax.set_yscale("symlog", linthresh=10)  # tens of MiB and a GiB on one axis
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.legend(fontsize=7, loc="upper right")
         ax.grid(alpha=0.3)
     fig.tight_layout()
