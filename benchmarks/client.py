@@ -16,6 +16,7 @@ from anyio.abc import SocketStream
 __all__ = ["Connection", "Result"]
 
 _SEND_CHUNK = 1024 * 1024
+_TAIL = 64  # bytes of the response body kept in Result.tail
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class Result:
     first_body_byte: float  # first byte of the response body
     ended: float
     body_bytes: int
+    tail: bytes = b""  # the last bytes of the response body (a stream that ended well ends with [DONE])
 
     @property
     def ttfb(self) -> float:
@@ -64,10 +66,13 @@ class Connection:
         del self._buf[: index + len(marker)]
         return data
 
-    async def _skip(self, n: int) -> None:
+    async def _skip(self, n: int, keep: int = 0) -> bytes:
+        """Drop the next ``n`` bytes; return the last ``keep`` of them."""
         while len(self._buf) < n:
             await self._fill()
+        kept = bytes(self._buf[max(0, n - keep) : n]) if keep else b""
         del self._buf[:n]
+        return kept
 
     async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> Result:
         assert self._stream is not None
@@ -97,6 +102,7 @@ class Connection:
             fields[name.strip().lower()] = value.strip().lower()
         first_body_byte = 0.0
         total = 0
+        tail = b""
         if fields.get(b"transfer-encoding") == b"chunked":
             while True:
                 size = int((await self._read_until(b"\r\n")).split(b";")[0], 16)
@@ -105,13 +111,14 @@ class Connection:
                     break
                 if not first_body_byte:
                     first_body_byte = time.monotonic()
-                await self._skip(size + 2)
+                tail = (tail + await self._skip(size, _TAIL))[-_TAIL:]
+                await self._skip(2)
                 total += size
         else:
             length = int(fields.get(b"content-length", b"0"))
             if length:
                 first_body_byte = time.monotonic()
-            await self._skip(length)
+            tail = await self._skip(length, _TAIL)
             total = length
         ended = time.monotonic()
-        return Result(status, started, first_byte, first_body_byte or ended, ended, total)
+        return Result(status, started, first_byte, first_body_byte or ended, ended, total, tail)

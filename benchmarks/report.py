@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,15 @@ SHAPE_LABELS = {
     "huge_text": "one huge text message",
     "image": "multimodal, one large base64 image",
 }
-COLORS = {"gw_on": "tab:blue", "gw_off": "tab:green", "ordinary": "tab:red", "gw_notrim": "tab:orange"}
+COLORS = {
+    "gw_on": "tab:blue",
+    "gw_off": "tab:green",
+    "ordinary": "tab:red",
+    "gw_notrim": "tab:orange",
+    "gw_disk": "tab:purple",
+    "gw_trim1": "tab:brown",
+}
+AGENT_LABELS = {**LABELS, "gw_trim1": "asgi_lifetime, retain disk, trim from 1 MiB (diagnosis)"}
 
 
 def _mib(value: float) -> str:
@@ -115,6 +125,8 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool, redraw: fro
         _retain(results, add)
     if "sessions" in results:
         _sessions(results, add)
+    if "agents" in results:
+        _agents(results, add, out, plots, draw=plots and (redraw is None or "agents" in redraw))
     _changes(add)
     (out / "benchmarks.md").write_text("\n".join(lines) + "\n")
 
@@ -181,6 +193,8 @@ def _targets(results: dict[str, Any], add: Any) -> None:
                     disk["median_stream"] <= 8 * MiB,
                 )
             )
+    if "agents" in results:
+        rows += _agents_targets(results["agents"])
     if "steady" in results and "gw_on" in results["steady"]["runs"]:
         run = results["steady"]["runs"]["gw_on"]
         growth = run[-1] - run[0]
@@ -317,6 +331,10 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
             lines.append("*Steady state*: see section 2.")
         elif name.startswith("overload"):
             lines.append(_overload_miss(results["overload"]))
+        elif name.startswith(("many agents", "every agent")):
+            line = _agents_miss(results["agents"])
+            if line not in lines:
+                lines.append(line)
     return lines
 
 
@@ -352,10 +370,13 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
     if mem["timeline"]:
         size = mem["timeline"][0]["size"]
         if plots:
-            if draw:
-                _plot_timeline(mem["timeline"], out / "benchmarks_memory_timeline.png")
-            add(f"![RSS over time, {size / MiB:.0f} MiB many-turn request](benchmarks_memory_timeline.png)")
-            add("")
+            _figure(
+                add,
+                out / "benchmarks_memory_timeline.png",
+                f"RSS over time, {size / MiB:.0f} MiB many-turn request",
+                lambda path: _plot_timeline(mem["timeline"], path),
+                draw=draw,
+            )
         add(
             f"RSS over time for the {size / MiB:.0f} MiB many-turn request. The dashed line is each gateway's first "
             "response byte: asgi_lifetime settles just before it (retries over, parse and raw body released, "
@@ -379,10 +400,13 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
             )
         add("")
         if plots:
-            if draw:
-                _plot_sweep(mem["sweep"], out / "benchmarks_answer_length.png")
-            add("![Memory x time vs answer length](benchmarks_answer_length.png)")
-            add("")
+            _figure(
+                add,
+                out / "benchmarks_answer_length.png",
+                "Memory x time vs answer length",
+                lambda path: _plot_sweep(mem["sweep"], path),
+                draw=draw,
+            )
     records, size = _reference(results)
     add("Reading the figures:")
     add("")
@@ -445,10 +469,13 @@ def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
         )
         add("")
     if plots:
-        if draw:
-            _plot_steady(st, out / "benchmarks_steady_state.png")
-        add("![RSS after each request](benchmarks_steady_state.png)")
-        add("")
+        _figure(
+            add,
+            out / "benchmarks_steady_state.png",
+            "RSS after each request",
+            lambda path: _plot_steady(st, path),
+            draw=draw,
+        )
     add(
         "Why the heap kept memory: a parsed conversation is tens of thousands of strings of a few KiB and small "
         "objects, all below glibc's mmap threshold (128 KiB, and it rises to the size of any freed mmapped block "
@@ -894,6 +921,215 @@ def _sessions(results: dict[str, Any], add: Any) -> None:
     add("")
 
 
+# -- 10. many agents ----------------------------------------------------------------------------------------
+
+AGENT_GOALS = ("gw_disk", "gw_off")  # the target: <= 0.1x per in-flight request with retain disk or off
+HELD_LIMIT = 0.1
+AFTER_LIMIT = 16 * MiB  # "a flat line after the run": back within this of the warm baseline (as section 2)
+DRIFT_LIMIT = 1 * MiB  # and not still moving over the quiet seconds
+
+
+def _wire(size: float) -> str:
+    return f"{size / MiB:.0f} MiB" if size >= MiB else f"{size / 1024:.0f} KiB"
+
+
+def _agent_runs(agents: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    return sorted((r for r in agents["runs"] if r["gateway"] == key), key=lambda r: r["clients"])
+
+
+def _held(run: dict[str, Any]) -> str:
+    return "-" if run["held_per_request"] is None else f"{run['held_per_request']:.3f}x"
+
+
+def _held_ok(run: dict[str, Any]) -> bool:
+    return run["held_per_request"] is not None and run["held_per_request"] <= HELD_LIMIT
+
+
+def _flat(run: dict[str, Any]) -> bool:
+    return bool(run["after"] <= AFTER_LIMIT and abs(run["drift"]) <= DRIFT_LIMIT)
+
+
+def _agents_targets(agents: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    size = f"{_wire(agents['body_size'])} conversations"
+    rows = []
+    ordinary = {r["clients"]: r for r in _agent_runs(agents, "ordinary")}
+    for key in AGENT_GOALS:
+        runs = _agent_runs(agents, key)
+        if not runs:
+            continue
+        measured = "; ".join(
+            f"{r['clients']} agents: {_held(r)} ({r['median_steady'] / MiB:.1f} MiB over {r['median_in_flight']:g} "
+            f"in flight)" + (f", ordinary proxy {_held(ordinary[r['clients']])}" if r["clients"] in ordinary else "")
+            for r in runs
+        )
+        rows.append(
+            (
+                f"many agents: RSS held per in-flight request <= {HELD_LIMIT}x its wire size, {LABELS[key]} ({size})",
+                measured + "; section 10",
+                all(_held_ok(r) for r in runs),
+            )
+        )
+        rows.append(
+            (
+                f"many agents: flat RSS after the run (within {AFTER_LIMIT / MiB:.0f} MiB of the warm baseline, "
+                f"drift <= {DRIFT_LIMIT / MiB:.0f} MiB), {LABELS[key]}",
+                "; ".join(
+                    f"{r['clients']} agents: {r['after'] / MiB:.1f} MiB (drift {r['drift'] / MiB:+.1f})" for r in runs
+                ),
+                all(_flat(r) for r in runs),
+            )
+        )
+    errors = sum(r["errors"] for r in agents["runs"])
+    requests = sum(r["requests"] + r["errors"] for r in agents["runs"])
+    rows.append(
+        (
+            "every agent's request answered in full (200, stream ending with [DONE]), every target",
+            f"{errors} failed of {requests}",
+            errors == 0,
+        )
+    )
+    return rows
+
+
+def _agents_miss(agents: dict[str, Any]) -> str:
+    """Why the many-agents target is missed, from the figures: per number of agents, what the goal
+    targets hold while loaded and after; whether the process keeps it after the run; what trimming from
+    1 MiB requests (the diagnosis row) changes; how many requests were still waiting for their answer."""
+    parts = []
+    failed = [r for r in agents["runs"] if r["errors"]]
+    if failed:
+        first = failed[0]["failures"][0] if failed[0]["failures"] else "?"
+        parts.append(
+            "failed requests: "
+            + ", ".join(
+                f"{AGENT_LABELS.get(r['gateway'], r['gateway'])}, {r['clients']} agents: {r['errors']}" for r in failed
+            )
+            + f" (first: {first})"
+        )
+    kept = explained = False
+    for clients in agents["clients"]:
+        runs = [r for key in AGENT_GOALS for r in _agent_runs(agents, key) if r["clients"] == clients]
+        missed = [r for r in runs if not (_held_ok(r) and _flat(r))]
+        if not missed:
+            continue
+        text = f"{clients} agents: " + ", ".join(
+            f"{LABELS[r['gateway']].removeprefix('asgi_lifetime, ')} {_held(r)} ({r['median_steady'] / MiB:.1f} MiB), "
+            f"{r['after'] / MiB:.1f} MiB after"
+            for r in missed
+        )
+        kept = kept or any(r["after"] >= 0.5 * r["median_steady"] for r in missed)
+        trim = next((r for r in _agent_runs(agents, "gw_trim1") if r["clients"] == clients), None)
+        if trim is not None:
+            text += f"; trimming from 1 MiB (diagnosis): {_held(trim)} ({trim['median_steady'] / MiB:.1f} MiB), "
+            text += f"{trim['after'] / MiB:.1f} MiB after"
+            explained = explained or all(trim["median_steady"] < 0.5 * r["median_steady"] for r in missed)
+        waiting = max(missed, key=lambda r: r.get("mean_before_first_byte", 0))
+        if waiting.get("mean_before_first_byte", 0) >= 0.1 * waiting["median_in_flight"]:
+            text += (
+                f"; up to {waiting['mean_before_first_byte']:.1f} of the {waiting['median_in_flight']:g} requests in "
+                f"flight had no answer yet, on average (TTFB p50 up to {max(r['ttfb_p50'] for r in missed):.1f} s, "
+                f"load average up to {max(x for r in missed for x in r['load']):.1f} on "
+                f"{agents.get('machine', {}).get('cores', '?')} cores): received, and waiting for the CPU to parse "
+                "and prepare them, each holding its body"
+            )
+        parts.append(text)
+    if kept:
+        parts.append(
+            "most of what is held while loaded is still held after the run: it is kept by the process's heap, not "
+            "by the requests in flight"
+        )
+    if explained:
+        parts.append(
+            "the gateway gives freed heap back to the OS (`malloc_trim`) only when a request of 8 MiB or more "
+            f"settles (`TRIM_THRESHOLD`): the parse of each {_wire(agents['body_size'])} conversation is freed "
+            "into the heap and nothing trims it, so the heap keeps what the concurrent parses needed at once"
+        )
+    return "*Many agents*: " + "; ".join(parts) + " (section 10)."
+
+
+def _agents(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: bool) -> None:
+    agents = results["agents"]
+    size = agents["body_size"]
+    add("## 10. Many agents: per-request cost under concurrency")
+    add("")
+    add(
+        f"Coding agents re-post their whole conversation every turn. {' and '.join(map(str, agents['clients']))} "
+        f"agents, each on its own keep-alive connection, send a {_wire(size)} many-turn conversation, read "
+        f"the answer (the demo upstream streams {agents['tokens']} tokens over {agents['stream_seconds']:g} s) and "
+        f"post again at once with the conversation grown by one turn (a prompt, a tool call and its result, 1-5 "
+        f"KiB), for {agents['run_seconds']:g} s; the agents start spread over one answer's duration. Every target "
+        "runs in a fresh process, one after the other (`benchmarks/agents.py`); the gateways with "
+        "`MAX_INFLIGHT` at least twice the agents (admission is not what this measures). MiB above the warm "
+        f"baseline, sampled every {agents['sample_interval'] * 1000:.0f} ms. *Median while loaded*: over the "
+        "steady window, from one and a half answers after the first agent started to the last new turn. *Held "
+        "per in-flight request*: that median over the median number of requests in flight then (sent, not yet "
+        "answered to the last byte) times the mean wire size of the bodies sent; *no answer yet*: the mean "
+        "number of those without their first response byte yet (being received, parsed, prepared, or waiting "
+        "for the CPU: each holds its body). *Peak*: the highest RSS from the "
+        f"first request to the last answer. *After the run*: the median over the last second of "
+        f"{agents['after_seconds']:g} s of quiet after the last answer; *drift*: that minus the first second's. "
+        "*CPU per request*: the target process's CPU time over the load, per request (noisy: shared cores). "
+        "Reproduce with `.venv/bin/python -m benchmarks.run --only agents` (`--agents-seconds` shortens the runs)."
+    )
+    add("")
+    here = agents.get("machine", results["machine"])
+    loads = [x for r in agents["runs"] for x in r["load"]]
+    add(
+        f"This section was run on its own on {agents['date']} ({agents['seconds'] / 60:.1f} minutes), apart from "
+        f"the rest of the page, on {here['cores']} cores shared with other jobs (1-minute load average "
+        f"{min(loads):.1f} to {max(loads):.1f} during the runs): compare its rows with each other only."
+    )
+    add("")
+    add(
+        "| agents | target | requests (failed) | req/s | in flight (no answer yet) | median while loaded | "
+        "held per in-flight request | peak | after the run (drift) | TTFB p50 | CPU per request | "
+        "bodies moved to disk |"
+    )
+    add("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for clients in agents["clients"]:
+        for r in (r for r in agents["runs"] if r["clients"] == clients):
+            moved = (
+                f"{r['stats']['spilled']}"
+                + (f" ({r['stats']['spill_failures']} failed)" if r["stats"].get("spill_failures") else "")
+                if "spilled" in r.get("stats", {})
+                else "-"
+            )
+            ttfb = "-" if r["ttfb_p50"] is None else f"{r['ttfb_p50'] * 1000:.0f} ms"
+            waiting = f" ({r['mean_before_first_byte']:.1f})" if "mean_before_first_byte" in r else ""
+            add(
+                f"| {clients} | {AGENT_LABELS.get(r['gateway'], r['gateway'])} | {r['requests']} ({r['errors']}) | "
+                f"{r['throughput']:.2f} | {r['median_in_flight']:g}{waiting} | {r['median_steady'] / MiB:.1f} MiB | "
+                f"{_held(r)} | {r['peak'] / MiB:.0f} MiB | {r['after'] / MiB:.1f} MiB ({r['drift'] / MiB:+.1f}) | "
+                f"{ttfb} | {r['cpu_per_request'] * 1000:.0f} ms | {moved} |"
+            )
+    add("")
+    ok_held = all(_held_ok(r) for key in AGENT_GOALS for r in _agent_runs(agents, key))
+    ok_flat = all(_flat(r) for key in AGENT_GOALS for r in _agent_runs(agents, key))
+    errors = sum(r["errors"] for r in agents["runs"])
+    if ok_held and ok_flat and not errors:
+        add(
+            f"**Target met**: with retain disk or off the gateway holds at most {HELD_LIMIT}x of each in-flight "
+            "request's wire size, its RSS is back within "
+            f"{AFTER_LIMIT / MiB:.0f} MiB of the warm baseline after the run, and every request was answered."
+        )
+    else:
+        add(
+            f"**Target {'met' if ok_held else 'not met'}** (<= {HELD_LIMIT}x per in-flight request, retain disk "
+            f"or off); **flat line after the run {'met' if ok_flat else 'not met'}**; "
+            f"{'every request answered' if not errors else f'{errors} requests failed'}. "
+            + _agents_miss(agents).removeprefix("*Many agents*: ")
+        )
+    add("")
+    if plots:
+        _figure(
+            add,
+            out / "benchmarks_agents.png",
+            "RSS over time, many agents",
+            lambda path: _plot_agents(agents, path),
+            draw=draw,
+        )
+
+
 def _changes(add: Any) -> None:
     import json
 
@@ -957,6 +1193,34 @@ def _changes(add: Any) -> None:
 
 
 # -- plots -------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _figure(add: Any, path: Path, alt: str, drawer: Callable[[Path], None], *, draw: bool) -> None:
+    """Draw the plot at ``path`` (when ``draw`` and matplotlib is installed) and show it on the page.
+
+    Without matplotlib (an extra: ``pip install -e '.[bench]'``) the page is still written: it says the
+    plot was not drawn, and shows the file an earlier run drew if there is one."""
+    if draw and _have_matplotlib():
+        drawer(path)
+    elif draw:
+        earlier = "; the plot below was drawn by an earlier run" if path.exists() else ""
+        add(
+            f"*Plot not drawn ({alt}): matplotlib is not installed (`pip install -e '.[bench]'`, then "
+            f"`python -m benchmarks.run --report-only`){earlier}.*"
+        )
+        add("")
+    if path.exists():
+        add(f"![{alt}]({path.name})")
+        add("")
 
 
 def _pyplot() -> Any:
@@ -1028,5 +1292,50 @@ def _plot_sweep(sweep: list[dict[str, Any]], path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_agents(agents: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter
+
+    counts = agents["clients"]
+    fig, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.8), dpi=110, squeeze=False)
+    for ax, clients in zip(axes[0], counts, strict=True):
+        runs = [r for r in agents["runs"] if r["clients"] == clients]
+        for r in runs:
+            key = r["gateway"]
+            ax.plot(
+                [p[0] for p in r["samples"]],
+                [p[1] for p in r["samples"]],
+                label=AGENT_LABELS.get(key, key),
+                color=COLORS.get(key),
+                linewidth=1.1,
+            )
+        if runs:
+            wire = statistics.fmean(r["wire_size"] for r in runs) / MiB
+            ax.axhline(0.1 * clients * wire, color="grey", linewidth=0.7, linestyle="--")
+            ax.text(
+                0.01,
+                0.1 * clients * wire,
+                " target: 0.1x the bodies in flight",
+                color="grey",
+                va="bottom",
+                fontsize=7,
+                transform=ax.get_yaxis_transform(),
+            )
+            ax.axvline(runs[0]["load_ended_at"], color="grey", linewidth=0.7, linestyle=":")
+        ax.set_xlabel("seconds since the first agent started (dotted: no new turn after this)")
+        ax.set_ylabel("RSS above warm baseline (MiB)")
+        ax.set_title(f"{clients} agents, {_wire(agents['body_size'])} conversations")
+        ax.title.set_fontsize(10)
+        ax.set_yscale("symlog", linthresh=10)  # tens of MiB and a GiB on one axis
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.set_ylim(bottom=-1)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # room below for the legend shared by the panels
     fig.savefig(path)
     plt.close(fig)

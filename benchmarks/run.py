@@ -13,6 +13,7 @@ compare within one run, side by side, never across runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ import anyio
 import httpx
 import psutil
 
+from benchmarks.agents import bench_agents
 from benchmarks.bodies import SHAPES, make_body, small_body
 from benchmarks.client import Connection, Result
 from benchmarks.overload import bench_overload
@@ -623,12 +625,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated: memory,steady,overhead,ttfb,fingerprint,codec,overload,retain,sessions",
+        help="comma-separated: memory,steady,overhead,ttfb,fingerprint,codec,overload,retain,sessions,agents",
     )
     parser.add_argument(
         "--before",
         default=None,
         help="sessions: a checkout of the package before the fleet work (DIR/asgi_lifetime), measured beside",
+    )
+    parser.add_argument(
+        "--agents-seconds", type=float, default=None, help="agents: load seconds per target and concurrency (60)"
     )
     parser.add_argument("--report-only", action="store_true", help="rebuild the page from the stored results")
     args = parser.parse_args(argv)
@@ -666,6 +671,10 @@ def main(argv: list[str] | None = None) -> int:
         ("overload", lambda: anyio.run(bench_overload, mode.name, results, log)),
         ("retain", lambda: anyio.run(bench_retain, mode, results)),
         ("sessions", lambda: anyio.run(bench_sessions, mode.name, results, log, args.before)),
+        (
+            "agents",
+            lambda: anyio.run(functools.partial(bench_agents, mode.name, results, log, seconds=args.agents_seconds)),
+        ),
     ]
     for name, step in steps:
         if only and name not in only:

@@ -168,6 +168,10 @@ def build_app(
             )
             for name in ("accept", "accept-encoding", "user-agent"):
                 del client.headers[name]
+        if os.environ.get("BENCH_TRIM_THRESHOLD"):  # diagnosis only: the request size from which a request trims
+            from asgi_lifetime.gateway import _memory
+
+            _memory.TRIM_THRESHOLD = int(os.environ["BENCH_TRIM_THRESHOLD"])  # read at each call
         return create_app(settings, preparers=[inject_system] if kind == "gateway" else [], client=client)
     if kind == "ordinary":
         from benchmarks.ordinary_proxy import create_app as create_ordinary

@@ -41,6 +41,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
         "## 6. JSON codec",
         "## 7. Overload",
         "## 9. The session book",
+        "## 10. Many agents",
     ):
         assert heading in page
     results = json.loads((tmp_path / "benchmarks.json").read_text())
@@ -56,3 +57,10 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
                 # Short and on a busy machine: no latency claim, but every request was answered.
                 assert run["sent"] > 0 and run["timeouts"] == 0 and run["errors"] == 0, (key, rate, run)
                 assert run["shed_retry_after"] == run["shed"]
+    agents = results["agents"]
+    assert {run["gateway"] for run in agents["runs"]} == {"gw_disk", "ordinary"}
+    for run in agents["runs"]:
+        # Every agent's every turn answered in full (200, the stream ended with [DONE]); figures present.
+        assert run["requests"] > 0 and run["errors"] == 0, run["failures"]
+        assert run["median_in_flight"] > 0 and run["held_per_request"] is not None
+        assert run["samples"] and run["peak"] >= run["median_steady"]
