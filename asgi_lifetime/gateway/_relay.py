@@ -209,8 +209,8 @@ class _Relay:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
                 if self.inband:
-                    tg.start_soon(self._keepalives, tg.cancel_scope)
-                if self.stop is not None:
+                    tg.start_soon(self._keepalives, tg.cancel_scope)  # it watches ``stop`` too
+                elif self.stop is not None:
                     tg.start_soon(self._watch_stop, self.stop)
                 try:
                     with self.stop_scope:
@@ -271,7 +271,7 @@ class _Relay:
             while True:
                 delay = self.last_sent + self.keepalive_interval - time.monotonic()
                 if delay > 0:
-                    await anyio.sleep(delay)
+                    await self._idle(delay)
                     continue
                 async with self.lock:
                     # Checked under the lock: the main task sends under it too. Only whole events
@@ -280,10 +280,22 @@ class _Relay:
                         await self._send_body(KEEPALIVE)
                         continue
                 # Not safe now (client busy, inside an event): look again after another interval.
-                await anyio.sleep(self.keepalive_interval)
+                await self._idle(self.keepalive_interval)
         except Exception as exc:
             self.helper_error = exc
             scope.cancel()
+
+    async def _idle(self, seconds: float) -> None:
+        """The keep-alive task's sleep, which also watches ``stop`` (one helper task per stream fewer)."""
+        stop = self.stop
+        if stop is None:
+            await anyio.sleep(seconds)
+            return
+        with anyio.move_on_after(seconds):
+            await stop.wait()
+        if stop.is_set():
+            self.stop_scope.cancel()
+            await anyio.sleep_forever()  # no keep-alive after the stop; the relay cancels this task
 
     # -- relaying -------------------------------------------------------------------------------
 
