@@ -594,7 +594,6 @@ def _serve_config(*flags: str) -> uvicorn.Config:
 
 def test_serve_runs_httptools_and_uvloop_when_installed() -> None:
     """``--http auto`` / ``--loop auto`` (the defaults) resolve to httptools (without trailer fields) and uvloop."""
-    import uvloop
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     from asgi_lifetime._cli._httptools import HttpToolsProtocol as Trailerless
@@ -605,14 +604,14 @@ def test_serve_runs_httptools_and_uvloop_when_installed() -> None:
     assert factory is not None
     loop = factory()
     try:
-        assert isinstance(loop, uvloop.Loop)
+        assert type(loop).__module__.startswith("uvloop")
     finally:
         loop.close()
 
 
 def test_serve_can_be_switched_to_h11_and_asyncio() -> None:
     config = _serve_config("--http", "h11", "--loop", "asyncio")
-    assert import_from_string(HTTP_PROTOCOLS[config.http]) is H11Protocol
+    assert config.http == "h11" and import_from_string(HTTP_PROTOCOLS["h11"]) is H11Protocol
     factory = config.get_loop_factory()
     assert factory is not None
     loop = factory()

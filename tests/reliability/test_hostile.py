@@ -304,12 +304,12 @@ async def test_oversized_headers_are_refused_by_the_server(
     if parser == "httptools":
         request.node.add_marker(pytest.mark.xfail(strict=True, reason=HTTPTOOLS_HEADER_LIMIT))
     before = stack.counts()
-    request = request_bytes(GOOD, headers=[("x-padding", "a" * (1024 * 1024))])
+    data = request_bytes(GOOD, headers=[("x-padding", "a" * (1024 * 1024))])
     async with raw_client(stack.url) as client:
         with anyio.fail_after(5):
-            for start in range(0, len(request), 64 * 1024):
+            for start in range(0, len(data), 64 * 1024):
                 try:
-                    await client.send(request[start : start + 64 * 1024])
+                    await client.send(data[start : start + 64 * 1024])
                 except (anyio.BrokenResourceError, OSError):
                     break  # the server already answered and closed
             response = await client.response()
