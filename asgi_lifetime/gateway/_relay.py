@@ -92,6 +92,7 @@ EVENT_HOLD_LIMIT = MAX_BUFFER
 _WITHHOLD_LIMIT = 64 * 1024
 _COLLECT_LIMIT = 64 * 1024 * 1024
 _CLIENT_DISCONNECTED_STATUS = 499
+_NO_BODY_STATUSES = frozenset({204, 304})
 
 
 @dataclass(slots=True)
@@ -305,7 +306,9 @@ class _Relay:
             sse = _is_sse(response)
             self.inband = sse and not _is_encoded(response)
             headers = [(name, value) for name, value in filter_headers(response.headers) if name not in _SERVER_SET]
-            if sse:  # keep-alives and error events change the length
+            # SSE: keep-alives and error events change the length. 204 and 304 have no body, whatever length the
+            # upstream gave (RFC 9110 8.6): uvicorn's httptools server would wait for it, then fail the response.
+            if sse or response.status_code in _NO_BODY_STATUSES:
                 headers = [(name, value) for name, value in headers if name != b"content-length"]
             lengths = [value for name, value in headers if name == b"content-length"]
             self.declared = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
