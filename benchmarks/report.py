@@ -518,8 +518,8 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
         "- **Its own work (the gap at c=1).** Per request the gateway does what the ordinary proxy does (parse, "
         "insert, serialize, forward, relay) plus admission, the blake3 hash, the text verdict, a disconnect "
         "watcher while retrying, the relay's helper tasks (the disconnect watcher and, for an event stream, the "
-        "keep-alive task, which also watches for shutdown), a stall deadline per chunk, a lock around each send "
-        "(it does not yield to the event loop when nobody else holds it), the SSE tracker (it parses every event "
+        "keep-alive task, which also watches for shutdown), a stall deadline and a lock per chunk, the SSE tracker "
+        "(it parses every event "
         "for the starvation guard: about a tenth of the gateway's time under cProfile), bookkeeping, metrics and "
         "the access log (nothing is formatted while its logger is below INFO)."
     )

@@ -167,9 +167,7 @@ class _Relay:
         self.reissue = reissue
         self.counters = counters
         self.on_first_byte = on_first_byte
-        # Held around every send (the keep-alive task sends too). fast_acquire: an uncontended acquire does
-        # not yield to the event loop, which it would otherwise do several times per request.
-        self.lock = anyio.Lock(fast_acquire=True)
+        self.lock = anyio.Lock()
         self.responses: list[httpx.Response] = []
         self.started = False
         self.status = 0
