@@ -359,13 +359,17 @@ def parse_content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     Repeated identical values (``12, 12`` or two headers) are accepted per RFC 9110;
     anything else not a plain non-negative decimal raises ``MalformedBody``, and so does a
     Content-Length beside a Transfer-Encoding (RFC 9112 6.1: the framing is ambiguous, the
-    shape of request smuggling; some servers pass both through).
+    shape of request smuggling; some servers pass both through), and a Transfer-Encoding
+    other than ``chunked`` alone (uvicorn's httptools parser de-chunks ``gzip, chunked`` and
+    hands over a body still gzip-coded, labelled as plain; h11 refuses it).
     """
     lengths: set[int] = set()
-    chunked = False
+    codings: list[bytes] = []
     for name, value in headers:
         lowered = name.lower()
-        chunked = chunked or lowered == b"transfer-encoding"
+        if lowered == b"transfer-encoding":
+            codings += [item.strip(b" \t").lower() for item in value.split(b",")]
+            continue
         if lowered != b"content-length":
             continue
         for raw in value.split(b","):
@@ -378,6 +382,8 @@ def parse_content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
                 raise MalformedBody("invalid Content-Length header", code="invalid_content_length") from None
     if len(lengths) > 1:
         raise MalformedBody("conflicting Content-Length headers", code="invalid_content_length")
-    if lengths and chunked:
+    if codings and lengths:
         raise MalformedBody("request has both Content-Length and Transfer-Encoding", code="conflicting_framing")
+    if codings and codings != [b"chunked"]:
+        raise MalformedBody("only 'Transfer-Encoding: chunked' is understood", code="invalid_transfer_encoding")
     return lengths.pop() if lengths else None

@@ -21,6 +21,7 @@ from ._exceptions import (
     BodyTimeout,
     BodyTooLarge,
     LifetimeError,
+    MalformedBody,
 )
 from ._fingerprint import Fingerprint, fingerprint
 from ._parse import offload, parse_body
@@ -255,6 +256,8 @@ class LifetimeMiddleware:
         # Everything that touches the body happens in this frame, which has returned by the
         # time the inner app runs: no suspended frame of ours keeps the body alive.
         settings = lifetime.settings
+        if scope.get("http_version") == "0.9":  # uvicorn's httptools parser serves "GET /path" (h11 refuses it)
+            raise MalformedBody("HTTP/0.9 requests are not served", code="unsupported_http_version")
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         length = parse_content_length(headers)
         if length is not None and length > settings.max_body_bytes:

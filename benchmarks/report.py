@@ -547,9 +547,31 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
     add(
         "- **Its own work (the gap at c=1).** Per request the gateway does what the ordinary proxy does (parse, "
         "insert, serialize, forward, relay) plus admission, the blake3 hash, the text verdict, a disconnect "
-        "watcher while retrying, the relay's two helper tasks (disconnect, keep-alives), a stall deadline and a "
-        "lock per chunk, the SSE tracker (it parses every event for the starvation guard: about a tenth of the "
-        "gateway's time under cProfile), bookkeeping, metrics and the access log."
+        "watcher while retrying, the relay's helper tasks (the disconnect watcher and, for an event stream, the "
+        "keep-alive task, which also watches for shutdown), a stall deadline and a lock per chunk, the SSE tracker "
+        "(it parses every event "
+        "for the starvation guard: about a tenth of the gateway's time under cProfile), bookkeeping, metrics and "
+        "the access log (nothing is formatted while its logger is below INFO)."
+    )
+    add(
+        "- **The server.** The targets run under uvicorn's `auto` server: httptools and uvloop when they are "
+        "installed (the `cli` extra brings them, and `asgi-lifetime serve` uses them; `--http h11` and "
+        "`--loop asyncio` switch back), else h11 and asyncio."
+    )
+    add("")
+    add(
+        "**How to profile.** `python -m benchmarks.profile` starts the demo upstream and the gateway, each a "
+        "uvicorn subprocess, warms the gateway up with 200 requests, then sends 2000 of this section's requests "
+        "over one keep-alive connection with cProfile on in the gateway process only (`BENCH_PROBE=1`: "
+        "`/_probe/profile-start` and `profile-stop`), timed by the gateway thread's CPU clock (wall time would "
+        "charge a `send()` the moments the process waited for a core). It prints the top 30 functions by own time "
+        "and by cumulative time, and the gateway's CPU per request with and without the profiler. "
+        "`--concurrency 16` for the concurrent case, `--http h11 --loop asyncio` for the pure-Python server, "
+        "`--out FILE` to keep the dump (`python -m pstats FILE`). cProfile makes every Python call several times "
+        "dearer, so read the shares, not the times. Without a profiler, "
+        "`python -m benchmarks.cpu_per_request --before DIR` measures CPU per request of this checkout's gateway "
+        "and of another version's (`DIR/asgi_lifetime`), the ordinary proxy and the bare forwarder, side by side "
+        "in interleaved slices."
     )
     add("")
 

@@ -540,6 +540,25 @@ def test_parse_content_length_invalid(headers: list[tuple[bytes, bytes]]) -> Non
     assert excinfo.value.status_code == 400
 
 
+@pytest.mark.parametrize(
+    "value",
+    [b"gzip, chunked", b"chunked, gzip", b"identity", b"chunked, chunked", b"x-custom, chunked", b"", b"deflate"],
+)
+def test_a_transfer_encoding_other_than_chunked_is_refused(value: bytes) -> None:
+    """Only ``chunked`` alone frames a body the middleware reads as plain bytes (httptools passes the rest on)."""
+    with pytest.raises(MalformedBody) as excinfo:
+        parse_content_length([(b"transfer-encoding", value)])
+    assert excinfo.value.code == "invalid_transfer_encoding" and excinfo.value.status_code == 400
+    # the same codings in two field lines
+    with pytest.raises(MalformedBody):
+        parse_content_length([(b"transfer-encoding", value), (b"Transfer-Encoding", b"chunked")])
+
+
+@pytest.mark.parametrize("value", [b"chunked", b"Chunked", b" CHUNKED\t"])
+def test_transfer_encoding_chunked_has_no_length(value: bytes) -> None:
+    assert parse_content_length([(b"transfer-encoding", value)]) is None
+
+
 # --- the end of a compressed stream ----------------------------------------------------------------------------
 
 # ~330 bytes on the wire that decode past 256 KiB (one inflate step): the shape of issue 9 item 13.

@@ -1,9 +1,9 @@
 """Reading bodies over real sockets: framing errors close the connection, the byte budget
 follows bytes received and decoded, and the whole-body deadline holds.
 
-The middleware runs in front of a tiny app under uvicorn (h11; httptools is not installed
-here) and under hypercorn (asyncio and trio workers), each in its own thread; the clients are
-raw sockets on 127.0.0.1 driven from the test's own event loop (asyncio or trio).
+The middleware runs in front of a tiny app under uvicorn (h11 and httptools) and under hypercorn
+(asyncio and trio workers), each in its own thread; the clients are raw sockets on 127.0.0.1
+driven from the test's own event loop (asyncio or trio).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from .reliability.test_faults import eventually
 
 pytestmark = pytest.mark.anyio
 
-SERVERS = ["uvicorn-h11", "hypercorn-asyncio", "hypercorn-trio"]
+SERVERS = ["uvicorn-h11", "uvicorn-httptools", "hypercorn-asyncio", "hypercorn-trio"]
 # hypercorn's trio worker fails pipelined requests on its own (trio.BusyResourceError "another task
 # is currently sending data on this SocketStream", good requests included): not part of that matrix.
-PIPELINING = SERVERS[:2]
+PIPELINING = SERVERS[:3]
 SECOND = b"POST /v1/second HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi"
 
 
@@ -128,8 +128,8 @@ def hypercorn_in_thread(app: Any, worker: str) -> Iterator[int]:
 
 @contextmanager
 def serving(served: Served, server: str) -> Iterator[Served]:
-    if server == "uvicorn-h11":
-        with serve_in_thread(served.middleware, http="h11") as url:
+    if server.startswith("uvicorn-"):
+        with serve_in_thread(served.middleware, http=server.split("-", 1)[1]) as url:
             served.port = int(url.rsplit(":", 1)[1])
             yield served
     else:
@@ -288,7 +288,7 @@ async def test_a_good_request_keeps_the_connection_alive(server: str) -> None:
 
 # --- 10, 11: the byte budget follows bytes received and decoded -------------------------------------------------
 
-MEMORY_SERVERS = ["uvicorn-h11", "hypercorn-trio"]
+MEMORY_SERVERS = ["uvicorn-h11", "uvicorn-httptools", "hypercorn-trio"]
 
 
 async def post(served: Served, body: bytes, *headers: str) -> tuple[int, dict[str, str], bytes]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import inspect
 import logging
 import math
@@ -63,14 +64,17 @@ from . import install_hint
 
 __all__ = [
     "build_parser",
+    "event_loop",
     "export_environ",
     "flag_values",
     "format_value",
+    "http_protocol",
     "is_loopback",
     "main",
     "redact_url",
     "refusal",
     "resolve_settings",
+    "server_config",
     "settings_markdown",
     "settings_report",
 ]
@@ -83,6 +87,10 @@ COMMAND_LINE = "command line"
 DEFAULT = "default"
 # After SHUTDOWN_GRACE the gateway ends the streams itself; this is uvicorn's hard backstop beyond that.
 SHUTDOWN_BACKSTOP = 5.0
+# uvicorn's httptools protocol without trailer fields (_httptools.py): what ``--http httptools`` runs.
+HTTPTOOLS_PROTOCOL = "asgi_lifetime._cli._httptools:HttpToolsProtocol"
+HTTP_CHOICES = ("auto", "httptools", "h11")
+LOOP_CHOICES = ("auto", "uvloop", "asyncio")
 
 _DESCRIPTION = """\
 An LLM API gateway that keeps each request's input only as long as it is needed:
@@ -448,6 +456,50 @@ def _shared_directory(workers: int) -> Iterator[None]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def http_protocol(choice: str) -> str:
+    """uvicorn's ``http`` for ``--http``: ``auto`` is httptools when installed (the ``cli`` extra brings it),
+    else h11. httptools runs as ``HTTPTOOLS_PROTOCOL``, which drops trailer fields as h11 does."""
+    if choice == "auto":
+        choice = "httptools" if _installed("httptools") else "h11"
+    if choice == "h11":
+        return "h11"
+    if not _installed("httptools"):
+        raise CommandError("--http httptools: httptools is not installed; pip install 'asgi-lifetime[cli]'")
+    return HTTPTOOLS_PROTOCOL
+
+
+def event_loop(choice: str) -> str:
+    """uvicorn's ``loop`` for ``--loop``: ``auto`` is uvloop when installed (uvicorn picks it), else asyncio."""
+    if choice == "uvloop" and not _installed("uvloop"):
+        raise CommandError("--loop uvloop: uvloop is not installed; pip install 'asgi-lifetime[cli]' (not on Windows)")
+    return choice
+
+
+def server_config(args: argparse.Namespace, settings: LifetimeSettings) -> uvicorn.Config:
+    """The uvicorn configuration ``serve`` runs: the gateway factory, the server flags, the effective settings."""
+    return uvicorn.Config(
+        GATEWAY_FACTORY,
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        http=http_protocol(args.http),
+        loop=event_loop(args.loop),
+        log_level=args.log_level,
+        log_config=_log_config(args.log_level),
+        access_log=False,  # the gateway's own access log (asgi_lifetime.access) never writes queries
+        proxy_headers=args.proxy_headers,
+        forwarded_allow_ips=args.forwarded_allow_ips,
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace + SHUTDOWN_BACKSTOP),
+        lifespan="on",
+    )
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     settings, _ = resolve_settings(flag_values(args), os.environ, env_file=args.env_file)
     problem = refusal(settings, args.host)
@@ -460,21 +512,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         with _demo_upstream_if_needed(settings) as effective, _shared_directory(args.workers):
             export_environ(effective, os.environ)
-            config = uvicorn.Config(
-                GATEWAY_FACTORY,
-                factory=True,
-                host=args.host,
-                port=args.port,
-                workers=args.workers,
-                log_level=args.log_level,
-                log_config=_log_config(args.log_level),
-                access_log=False,  # the gateway's own access log (asgi_lifetime.access) never writes queries
-                proxy_headers=args.proxy_headers,
-                forwarded_allow_ips=args.forwarded_allow_ips,
-                timeout_keep_alive=args.timeout_keep_alive,
-                timeout_graceful_shutdown=math.ceil(effective.shutdown_grace + SHUTDOWN_BACKSTOP),
-                lifespan="on",
-            )
+            config = server_config(args, effective)
             upstreams = ", ".join(effective.shown_upstream_urls())
             paths = ", ".join(effective.paths)
             workers = f"{args.workers} worker{'s' if args.workers != 1 else ''}"
@@ -512,6 +550,20 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     server.add_argument("--port", type=int, default=8080, help="port to bind (default %(default)s)")
     server.add_argument("--workers", type=int, default=1, help="worker processes (default %(default)s)")
+    server.add_argument(
+        "--http",
+        default="auto",
+        choices=HTTP_CHOICES,
+        help="uvicorn's HTTP/1.1 parser; auto: httptools when installed (the cli extra), else h11 "
+        "(default %(default)s)",
+    )
+    server.add_argument(
+        "--loop",
+        default="auto",
+        choices=LOOP_CHOICES,
+        help="event loop; auto: uvloop when installed (the cli extra, not on Windows), else asyncio "
+        "(default %(default)s)",
+    )
     server.add_argument(
         "--log-level",
         default="info",

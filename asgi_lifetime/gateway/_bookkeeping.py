@@ -152,10 +152,11 @@ async def record_outcome(bookkeeper: Bookkeeper, outcome: Outcome) -> None:
     """
     timeout = _RECORD_TIMEOUT
     try:
+        result = bookkeeper.record(outcome)
+        if result is None:  # a synchronous bookkeeper (the built-in ones): nothing to shield or bound
+            return
         with anyio.move_on_after(timeout, shield=True) as deadline:
-            result = bookkeeper.record(outcome)
-            if result is not None:
-                await result
+            await result
         if deadline.cancelled_caught:
             logger.warning(
                 "bookkeeper %s did not record %s outcome for %s within %ss",

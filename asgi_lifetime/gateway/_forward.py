@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # Request headers the gateway never forwards as received: the body is re-framed (and was
 # decoded by the middleware), and the upstream's Host is its own.
-_NOT_FORWARDED = frozenset({"host", "content-length", "content-encoding", "transfer-encoding", "expect"})
+_NOT_FORWARDED = frozenset({b"host", b"content-length", b"content-encoding", b"transfer-encoding", b"expect"})
 
 
 class _InputCharge:
@@ -276,10 +276,10 @@ class Forwarder:
         # received body once a preparer changed it, each message once serialized) is freed.
         handover = [raw, parsed]
         del raw, parsed
-        headers = [
+        headers = [  # filter_headers gives the names lower-case
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in filter_headers(scope["headers"])
-            if k.decode("latin-1").lower() not in _NOT_FORWARDED
+            if k not in _NOT_FORWARDED
         ]
         prepared = await prepare(
             handover.pop(0),

@@ -92,6 +92,7 @@ EVENT_HOLD_LIMIT = MAX_BUFFER
 _WITHHOLD_LIMIT = 64 * 1024
 _COLLECT_LIMIT = 64 * 1024 * 1024
 _CLIENT_DISCONNECTED_STATUS = 499
+_NO_BODY_STATUSES = frozenset({204, 304})
 
 
 @dataclass(slots=True)
@@ -193,7 +194,9 @@ class _Relay:
         self.delivered = False  # the client has received (part of) an upstream event
         # Keep-alive bookkeeping: is the main task waiting on the upstream, and when did the client last get bytes.
         self.waiting = False
-        self.last_sent = anyio.current_time()
+        # time.monotonic(), not anyio.current_time() (a backend lookup per send): only differences of it
+        # are used, as the relative delay of anyio.sleep().
+        self.last_sent = time.monotonic()
         self.helper_error: Exception | None = None
 
     async def run(self, response: httpx.Response, receive: Receive) -> RelayResult:
@@ -205,8 +208,8 @@ class _Relay:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
                 if self.inband:
-                    tg.start_soon(self._keepalives, tg.cancel_scope)
-                if self.stop is not None:
+                    tg.start_soon(self._keepalives, tg.cancel_scope)  # it watches ``stop`` too
+                elif self.stop is not None:
                     tg.start_soon(self._watch_stop, self.stop)
                 try:
                     with self.stop_scope:
@@ -265,9 +268,9 @@ class _Relay:
         """While the upstream is quiet, send a keep-alive every ``keepalive_interval`` of client silence."""
         try:
             while True:
-                delay = self.last_sent + self.keepalive_interval - anyio.current_time()
+                delay = self.last_sent + self.keepalive_interval - time.monotonic()
                 if delay > 0:
-                    await anyio.sleep(delay)
+                    await self._idle(delay)
                     continue
                 async with self.lock:
                     # Checked under the lock: the main task sends under it too. Only whole events
@@ -276,10 +279,22 @@ class _Relay:
                         await self._send_body(KEEPALIVE)
                         continue
                 # Not safe now (client busy, inside an event): look again after another interval.
-                await anyio.sleep(self.keepalive_interval)
+                await self._idle(self.keepalive_interval)
         except Exception as exc:
             self.helper_error = exc
             scope.cancel()
+
+    async def _idle(self, seconds: float) -> None:
+        """The keep-alive task's sleep, which also watches ``stop`` (one helper task per stream fewer)."""
+        stop = self.stop
+        if stop is None:
+            await anyio.sleep(seconds)
+            return
+        with anyio.move_on_after(seconds):
+            await stop.wait()
+        if stop.is_set():
+            self.stop_scope.cancel()
+            await anyio.sleep_forever()  # no keep-alive after the stop; the relay cancels this task
 
     # -- relaying -------------------------------------------------------------------------------
 
@@ -289,7 +304,9 @@ class _Relay:
             sse = _is_sse(response)
             self.inband = sse and not _is_encoded(response)
             headers = [(name, value) for name, value in filter_headers(response.headers) if name not in _SERVER_SET]
-            if sse:  # keep-alives and error events change the length
+            # SSE: keep-alives and error events change the length. 204 and 304 have no body, whatever length the
+            # upstream gave (RFC 9110 8.6): uvicorn's httptools server would wait for it, then fail the response.
+            if sse or response.status_code in _NO_BODY_STATUSES:
                 headers = [(name, value) for name, value in headers if name != b"content-length"]
             lengths = [value for name, value in headers if name == b"content-length"]
             self.declared = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
@@ -521,7 +538,7 @@ class _Relay:
         self.ended = not more_body
         await self._send({"type": "http.response.body", "body": body, "more_body": more_body})
         self.bytes_out += len(body)
-        self.last_sent = anyio.current_time()
+        self.last_sent = time.monotonic()
 
     async def _send(self, message: Message) -> None:
         try:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -14,9 +15,14 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from asgi_lifetime import GiB, KiB, LifetimeSettings, MiB, __version__
 from asgi_lifetime._cli._main import (
+    HTTPTOOLS_PROTOCOL,
+    CommandError,
     build_parser,
     export_environ,
     flag_values,
@@ -24,6 +30,7 @@ from asgi_lifetime._cli._main import (
     main,
     refusal,
     resolve_settings,
+    server_config,
     settings_markdown,
 )
 from asgi_lifetime._settings import ENV_PREFIX, SETTINGS
@@ -576,3 +583,62 @@ def test_settings_and_errors_never_print_an_upstream_password(
     captured = capsys.readouterr()
     assert shown in captured.out + captured.err
     assert PASSWORD not in captured.out + captured.err
+
+
+# --- the server: httptools and uvloop when installed -------------------------------------------------------------
+
+
+@pytest.fixture
+def no_logging_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``uvicorn.Config()`` applies serve's logging setup to the whole process (httpx's loggers stop
+    propagating, and later tests' ``caplog`` misses them): these tests only build the config."""
+    monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)
+
+
+def _serve_config(*flags: str) -> uvicorn.Config:
+    args = build_parser().parse_args(["serve", *flags])
+    return server_config(args, LifetimeSettings())
+
+
+@pytest.mark.usefixtures("no_logging_setup")
+def test_serve_runs_httptools_and_uvloop_when_installed() -> None:
+    """``--http auto`` / ``--loop auto`` (the defaults) resolve to httptools (without trailer fields) and uvloop."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from asgi_lifetime._cli._httptools import HttpToolsProtocol as Trailerless
+
+    config = _serve_config()
+    assert import_from_string(config.http) is Trailerless and issubclass(Trailerless, HttpToolsProtocol)
+    factory = config.get_loop_factory()
+    assert factory is not None
+    loop = factory()
+    try:
+        assert type(loop).__module__.startswith("uvloop")
+    finally:
+        loop.close()
+
+
+@pytest.mark.usefixtures("no_logging_setup")
+def test_serve_can_be_switched_to_h11_and_asyncio() -> None:
+    config = _serve_config("--http", "h11", "--loop", "asyncio")
+    assert config.http == "h11" and import_from_string(HTTP_PROTOCOLS["h11"]) is H11Protocol
+    factory = config.get_loop_factory()
+    assert factory is not None
+    loop = factory()
+    try:
+        assert type(loop).__module__.startswith("asyncio")
+    finally:
+        loop.close()
+
+
+@pytest.mark.usefixtures("no_logging_setup")
+@pytest.mark.parametrize(("flag", "module"), [("--http=httptools", "httptools"), ("--loop=uvloop", "uvloop")])
+def test_serve_says_what_to_install_for_a_missing_server_module(
+    flag: str, module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    with pytest.raises(CommandError, match=rf"{module} is not installed; pip install 'asgi-lifetime\[cli\]'"):
+        _serve_config(flag)
+    # auto falls back to what is there
+    assert _serve_config().http in ("h11", HTTPTOOLS_PROTOCOL)

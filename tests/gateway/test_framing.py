@@ -14,10 +14,17 @@ from typing import Any
 import httpx
 import pytest
 
-from ..reliability.test_faults import PATH, assert_idle, raw_client, request_bytes, running
+from ..reliability.test_faults import HTTP_PARSERS, PATH, assert_idle, raw_client, request_bytes, running
 from ._raw_upstream import CLOSE, RawRequest, Script, chunked, raw_upstream, response
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=HTTP_PARSERS)
+def http(request: pytest.FixtureRequest) -> str:
+    """uvicorn's HTTP implementation in front of the client (what the client gets is framed by it)."""
+    return str(request.param)
+
 
 BODY = b'{"id": "x", "choices": [{"message": {"content": "' + b"a" * 70 + b'"}}]}'  # 124 bytes
 
@@ -30,7 +37,7 @@ def answering(*steps: bytes | str) -> Any:
 
 
 @pytest.mark.parametrize("transport", ["httpcore", "aiohttp"])
-async def test_transfer_encoding_overrides_content_length(transport: str) -> None:
+async def test_transfer_encoding_overrides_content_length(transport: str, http: str) -> None:
     # The issue's case: Transfer-Encoding chunked and Content-Length 51, 124 bytes sent chunked.
     assert len(BODY) == 124
     head = (
@@ -38,7 +45,7 @@ async def test_transfer_encoding_overrides_content_length(transport: str) -> Non
     )
     with (
         raw_upstream(answering(head + chunked(BODY))) as upstream,
-        running(upstream_url=upstream.url, upstream_transport=transport) as stack,
+        running(upstream_url=upstream.url, upstream_transport=transport, serve={"http": http}) as stack,
     ):
         async with raw_client(stack.url) as client:
             await client.send(request_bytes(b"{}"))
@@ -55,9 +62,12 @@ async def test_transfer_encoding_overrides_content_length(transport: str) -> Non
     [("124, 124",), ("124", "124"), ("124,124", "124")],
     ids=["list", "repeated", "both"],
 )
-async def test_repeated_equal_content_lengths_are_one(lengths: tuple[str, ...]) -> None:
+async def test_repeated_equal_content_lengths_are_one(lengths: tuple[str, ...], http: str) -> None:
     head = "HTTP/1.1 200 OK\r\n" + "".join(f"content-length: {v}\r\n" for v in lengths) + "\r\n"
-    with raw_upstream(answering(head.encode() + BODY)) as upstream, running(upstream_url=upstream.url) as stack:
+    with (
+        raw_upstream(answering(head.encode() + BODY)) as upstream,
+        running(upstream_url=upstream.url, serve={"http": http}) as stack,
+    ):
         async with raw_client(stack.url) as client:
             await client.send(request_bytes(b"{}"))
             got = await client.response()
@@ -70,9 +80,12 @@ async def test_repeated_equal_content_lengths_are_one(lengths: tuple[str, ...]) 
     [("51, 124",), ("51", "124"), ("-1",), ("+124",), ("0x7c",), ("12a",), ("1" * 40,), ("",)],
     ids=["conflicting-list", "conflicting-headers", "negative", "plus", "hex", "junk", "huge", "empty"],
 )
-async def test_content_length_h11_rejects_is_a_502_not_a_body(lengths: tuple[str, ...]) -> None:
+async def test_content_length_h11_rejects_is_a_502_not_a_body(lengths: tuple[str, ...], http: str) -> None:
     head = "HTTP/1.1 200 OK\r\n" + "".join(f"content-length: {v}\r\n" for v in lengths) + "\r\n"
-    with raw_upstream(answering(head.encode() + BODY)) as upstream, running(upstream_url=upstream.url) as stack:
+    with (
+        raw_upstream(answering(head.encode() + BODY)) as upstream,
+        running(upstream_url=upstream.url, serve={"http": http}) as stack,
+    ):
         async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
             got = await client.post(PATH, json={})
         await assert_idle(stack.app, stack.url)
@@ -80,9 +93,9 @@ async def test_content_length_h11_rejects_is_a_502_not_a_body(lengths: tuple[str
     assert got.headers["x-should-retry"] == "false"
 
 
-async def test_head_response_keeps_its_length_and_has_no_body() -> None:
+async def test_head_response_keeps_its_length_and_has_no_body(http: str) -> None:
     with raw_upstream(answering(response(200, b"", headers=(("content-length", "124"),), length=False))) as upstream:
-        with running(upstream_url=upstream.url) as stack:
+        with running(upstream_url=upstream.url, serve={"http": http}) as stack:
             async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
                 got = await client.head(PATH)
             await assert_idle(stack.app, stack.url)
@@ -91,10 +104,10 @@ async def test_head_response_keeps_its_length_and_has_no_body() -> None:
 
 
 @pytest.mark.parametrize("status", [204, 304])
-async def test_no_body_statuses_relay_no_body(status: int) -> None:
+async def test_no_body_statuses_relay_no_body(status: int, http: str) -> None:
     with (
         raw_upstream(answering(response(status, b"smuggled"))) as upstream,
-        running(upstream_url=upstream.url) as stack,
+        running(upstream_url=upstream.url, serve={"http": http}) as stack,
     ):
         async with raw_client(stack.url) as client:
             await client.send(request_bytes(b"{}"))
@@ -105,14 +118,14 @@ async def test_no_body_statuses_relay_no_body(status: int) -> None:
 
 @pytest.mark.parametrize("transport", ["httpcore", "aiohttp"])
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
-async def test_a_short_success_body_ends_broken(framing: str, transport: str) -> None:
+async def test_a_short_success_body_ends_broken(framing: str, transport: str, http: str) -> None:
     if framing == "content-length":
         cut = b"HTTP/1.1 200 OK\r\ncontent-length: 124\r\n\r\n" + BODY[:51]
     else:
         cut = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunked(BODY)[:60]
     with (
         raw_upstream(answering(cut, CLOSE)) as upstream,
-        running(upstream_url=upstream.url, upstream_transport=transport) as stack,
+        running(upstream_url=upstream.url, upstream_transport=transport, serve={"http": http}) as stack,
     ):
         async with raw_client(stack.url) as client:
             await client.send(request_bytes(b"{}"))
@@ -122,9 +135,9 @@ async def test_a_short_success_body_ends_broken(framing: str, transport: str) ->
     assert len(got.body) < len(BODY)
 
 
-async def test_a_long_body_is_relayed_to_its_length_only() -> None:
+async def test_a_long_body_is_relayed_to_its_length_only(http: str) -> None:
     long = b"HTTP/1.1 200 OK\r\ncontent-length: 51\r\n\r\n" + BODY
-    with raw_upstream(answering(long)) as upstream, running(upstream_url=upstream.url) as stack:
+    with raw_upstream(answering(long)) as upstream, running(upstream_url=upstream.url, serve={"http": http}) as stack:
         async with raw_client(stack.url) as client:
             await client.send(request_bytes(b"{}"))
             got = await client.response()
@@ -134,13 +147,16 @@ async def test_a_long_body_is_relayed_to_its_length_only() -> None:
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
 @pytest.mark.parametrize("status", [400, 401, 500])
-async def test_a_short_error_body_is_not_relayed_as_complete(framing: str, status: int) -> None:
+async def test_a_short_error_body_is_not_relayed_as_complete(framing: str, status: int, http: str) -> None:
     error = b'{"error": {"message": "' + b"e" * 100 + b'"}}'
     if framing == "content-length":
         cut = f"HTTP/1.1 {status} X\r\ncontent-length: {len(error)}\r\n\r\n".encode() + error[:40]
     else:
         cut = f"HTTP/1.1 {status} X\r\ntransfer-encoding: chunked\r\n\r\n".encode() + chunked(error)[:50]
-    with raw_upstream(answering(cut, CLOSE)) as upstream, running(upstream_url=upstream.url) as stack:
+    with (
+        raw_upstream(answering(cut, CLOSE)) as upstream,
+        running(upstream_url=upstream.url, serve={"http": http}) as stack,
+    ):
         async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
             got = await client.post(PATH, json={})
         await assert_idle(stack.app, stack.url)

@@ -908,6 +908,30 @@ async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    "headers",
+    [{"content-type": "application/json"}, {**SSE_HEADERS, "content-encoding": "gzip"}],
+    ids=["json", "encoded-event-stream"],
+)
+async def test_stop_mid_stream_ends_a_stream_without_keepalives(headers: dict[str, str]) -> None:
+    """No keep-alive task (not an in-band stream): the stop is watched by a task of its own."""
+    stream = Upstream(b'{"choices": [', 30.0, b"]}")
+    stop = anyio.Event()
+    client = Client()
+
+    async def stop_after_first_byte() -> None:
+        await client.body_seen.wait()
+        stop.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop_after_first_byte)
+        result = await run(upstream_response(stream, headers=headers), client, stall_timeout=10, stop=stop)
+    assert result.outcome == "shutdown"
+    assert client.status == 200 and not client.ended  # cut short: it cannot be made to look complete
+    assert stream.closed
+
+
+@pytest.mark.anyio
 async def test_stop_before_first_byte_is_a_503_with_retry_after() -> None:
     stream = Upstream(30.0, DONE)
     stop = anyio.Event()

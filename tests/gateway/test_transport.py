@@ -28,7 +28,7 @@ import pytest
 from asgi_lifetime.gateway._relay import relay
 from asgi_lifetime.gateway._transport import GuardedTransport, _leftover, stop_reading
 
-from ..reliability.test_faults import assert_idle, eventually, running
+from ..reliability.test_faults import HTTP_PARSERS, assert_idle, eventually, running
 from ._raw_upstream import HOLD, RawRequest, Script, chunked, raw_upstream, response
 
 pytestmark = pytest.mark.anyio
@@ -87,13 +87,17 @@ NOT_HTTP_AFTER = {
 }
 
 
+@pytest.mark.parametrize("http", HTTP_PARSERS)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("case", list(MISBEHAVIOURS))
-async def test_leftover_bytes_never_reach_the_next_request(case: str, transport: str) -> None:
+async def test_leftover_bytes_never_reach_the_next_request(case: str, transport: str, http: str) -> None:
+    """Also: the client's connection stays usable (a 204 or 304 relayed with the upstream's Content-Length
+    made uvicorn's httptools server wait for that body, then fail the response and close the connection)."""
     method, first, status = MISBEHAVIOURS[case]
+    serve = {"http": http}
     with (
         raw_upstream(script(first)) as upstream,
-        running(upstream_url=upstream.url, upstream_transport=transport) as stack,
+        running(upstream_url=upstream.url, upstream_transport=transport, serve=serve) as stack,
     ):
         async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
             one = await client.request(method, "/v1/first", json={} if method == "POST" else None)

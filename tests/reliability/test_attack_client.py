@@ -23,7 +23,7 @@ from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
 from asgi_lifetime._body import MAX_GZIP_MEMBERS
 from asgi_lifetime.testing._serve import serve_in_thread
 
-from .test_faults import Stack, assert_idle, raw_client, request_bytes, running
+from .test_faults import HTTP_PARSERS, Stack, assert_idle, raw_client, request_bytes, running
 
 pytestmark = pytest.mark.anyio
 
@@ -58,10 +58,10 @@ class Sink:
         await send({"type": "http.response.body", "body": body})
 
 
-@pytest.fixture(scope="module")
-def sink_stack() -> Iterator[tuple[Stack, Sink]]:
+@pytest.fixture(scope="module", params=HTTP_PARSERS)
+def sink_stack(request: pytest.FixtureRequest) -> Iterator[tuple[Stack, Sink]]:
     sink = Sink()
-    with running(upstream=sink, max_body_bytes=64 * MiB) as stack:
+    with running(upstream=sink, max_body_bytes=64 * MiB, serve={"http": request.param}) as stack:
         yield stack, sink
 
 
@@ -179,15 +179,16 @@ ENCODING_LINES = {
 }
 
 
+@pytest.mark.parametrize("http", HTTP_PARSERS)
 @pytest.mark.parametrize("case", list(ENCODING_LINES))
-async def test_content_encoding_in_several_field_lines(case: str, anyio_backend: str) -> None:
+async def test_content_encoding_in_several_field_lines(case: str, http: str, anyio_backend: str) -> None:
     """The app behind the middleware sees either the decoded body and no Content-Encoding, or
     nothing (415): never encoded bytes still labelled with a coding the middleware did not apply."""
     lines, expected = ENCODING_LINES[case]
     seen = Seen()
     app = LifetimeMiddleware(_recording_app(seen), settings=LifetimeSettings(max_body_bytes=MiB))
     wire = gzip.compress(CHAT, mtime=0)
-    with serve_in_thread(app) as url:
+    with serve_in_thread(app, http=http) as url:
         async with raw_client(url) as client:
             await client.send(request_bytes(wire, headers=[("content-encoding", value) for value in lines]))
             response = await client.response()

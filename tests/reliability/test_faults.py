@@ -75,6 +75,9 @@ GAUGES = (
     "retained_disk_bytes",
 )
 IDLE_TIMEOUT = 3.0
+HTTP_PARSERS = ("h11", "httptools")
+"""uvicorn's two HTTP/1.1 implementations (``serve={"http": ...}``): the hostile-input and framing
+tests run under both, since ``http="auto"`` (and ``asgi-lifetime serve``) picks httptools when installed."""
 
 
 # --- the stack under test ------------------------------------------------------------------------
@@ -88,6 +91,7 @@ class Stack:
     url: str
     upstream_url: str
     upstream: Starlette | None = None
+    http: str = "auto"  # uvicorn's HTTP implementation (``serve={"http": ...}``)
 
     @property
     def port(self) -> int:
@@ -138,7 +142,8 @@ def running(
         settings = LifetimeSettings(upstream_url=(upstream_url,), **{**FAST, **changes})
         app = create_app(settings)
         url = stack.enter_context(serve_in_thread(app, **(serve or {})))
-        yield Stack(app=app, url=url, upstream_url=upstream_url, upstream=demo)
+        http = str((serve or {}).get("http", "auto"))
+        yield Stack(app=app, url=url, upstream_url=upstream_url, upstream=demo, http=http)
 
 
 def busy_connections(app: Starlette) -> list[str]:

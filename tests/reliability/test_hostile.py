@@ -14,7 +14,7 @@ import gzip
 import json
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -22,6 +22,7 @@ import pytest
 
 from .test_faults import (
     CHAT,
+    HTTP_PARSERS,
     Stack,
     assert_idle,
     eventually,
@@ -35,12 +36,22 @@ pytestmark = pytest.mark.anyio
 
 MAX_BODY = 1024 * 1024
 PLAIN_400 = b"Invalid HTTP request received."
+HTTPTOOLS_HEADER_LIMIT = (
+    "known limit: uvicorn's httptools parser has no header size limit (h11's is 16 KiB incomplete): the server "
+    "buffers the whole header block (here 1 MiB) and the request is served; use --http h11, or a front proxy's limit"
+)
+
+
+@pytest.fixture(scope="module", params=HTTP_PARSERS)
+def parser_stack(request: pytest.FixtureRequest) -> Iterator[tuple[str, Stack]]:
+    """The stack under each of uvicorn's HTTP parsers, and the parser's name."""
+    with running(max_body_bytes=MAX_BODY, serve={"http": request.param}) as running_stack:
+        yield request.param, running_stack
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    with running(max_body_bytes=MAX_BODY) as running_stack:
-        yield running_stack
+def stack(parser_stack: tuple[str, Stack]) -> Stack:
+    return parser_stack[1]
 
 
 @dataclass(frozen=True)
@@ -48,11 +59,17 @@ class Hostile:
     """One hostile request (raw bytes) and the answer it must get.
 
     ``code``: the JSON ``error.code`` from the gateway, or None for uvicorn's plain-text 400.
+    ``under``: a different ``code`` under one of uvicorn's parsers (``HTTP_PARSERS``): httptools
+    refuses some requests h11 passes on, and passes on some that h11 refuses (the gateway refuses those).
     """
 
     request: bytes
     status: int
     code: str | None
+    under: dict[str, str | None] = field(default_factory=dict)
+
+    def code_under(self, parser: str) -> str | None:
+        return self.under.get(parser, self.code)
 
 
 def _chunked(body: bytes) -> bytes:
@@ -117,6 +134,7 @@ HOSTILE: dict[str, Hostile] = {
         request_bytes(_chunked(GOOD), content_length=2, headers=[("transfer-encoding", "chunked")]),
         400,
         "conflicting_framing",  # RFC 9112 6.1: uvicorn passes both headers through; refused, connection closed
+        under={"httptools": None},  # httptools refuses it itself
     ),
     # Framing: refused by h11 before the gateway sees a request.
     "content-length-negative": Hostile(request_bytes(GOOD, content_length="-1"), 400, None),
@@ -126,7 +144,11 @@ HOSTILE: dict[str, Hostile] = {
     "content-length-conflicting": Hostile(request_bytes(GOOD, content_length="10, 12"), 400, None),
     "content-length-huge": Hostile(request_bytes(GOOD, content_length="9" * 30), 400, None),
     "transfer-encoding-gzip": Hostile(
-        request_bytes(_chunked(GOOD), content_length=None, headers=[("transfer-encoding", "gzip, chunked")]), 400, None
+        request_bytes(_chunked(GOOD), content_length=None, headers=[("transfer-encoding", "gzip, chunked")]),
+        400,
+        None,
+        # httptools de-chunks it and passes it on, the body still gzip-coded: the gateway refuses it.
+        under={"httptools": "invalid_transfer_encoding"},
     ),
     "bad-chunk-size": Hostile(
         request_bytes(b"zz\r\n{}\r\n0\r\n\r\n", content_length=None, headers=[("transfer-encoding", "chunked")]),
@@ -151,21 +173,64 @@ def _is_error_json(body: bytes, code: str) -> bool:
 
 
 @pytest.mark.parametrize("case", HOSTILE.values(), ids=HOSTILE.keys())
-async def test_hostile_request(stack: Stack, case: Hostile) -> None:
+async def test_hostile_request(parser_stack: tuple[str, Stack], case: Hostile) -> None:
+    await _refused(*parser_stack, case)
+
+
+async def _refused(parser: str, stack: Stack, case: Hostile) -> None:
     before = stack.counts()
     async with raw_client(stack.url) as client:
         with anyio.fail_after(5):
             await client.send(case.request)
             response = await client.response()
-    assert response.status == case.status
-    if case.code is None:
+    assert response.status == case.status, response.body
+    code = case.code_under(parser)
+    if code is None:
         assert response.body == PLAIN_400
         assert response.headers["connection"] == "close"
     else:
         assert response.headers["content-type"] == "application/json"
-        assert _is_error_json(response.body, case.code), response.body
+        assert _is_error_json(response.body, code), response.body
+        if code in ("conflicting_framing", "invalid_transfer_encoding"):  # the body is unread: nothing after it
+            assert response.headers["connection"] == "close"  # may be parsed as a request
     await assert_idle(stack.app, stack.url, upstream=stack.upstream)
     assert "upstream.requests" not in stack.since(before)
+
+
+def _te(value: str, body: bytes = GOOD) -> bytes:
+    return request_bytes(_chunked(body), content_length=None, headers=[("transfer-encoding", value)])
+
+
+# Framing that uvicorn's two parsers treat differently (not in docs/reliability.md's table yet):
+# whatever one of them lets through, the gateway refuses.
+PARSER_CASES: dict[str, Hostile] = {
+    "transfer-encoding-chunked-then-gzip": Hostile(_te("chunked, gzip"), 400, None),
+    "transfer-encoding-identity-chunked": Hostile(
+        _te("identity, chunked"), 400, None, {"httptools": "invalid_transfer_encoding"}
+    ),
+    "transfer-encoding-deflate-chunked": Hostile(
+        _te("deflate, chunked"), 400, None, {"httptools": "invalid_transfer_encoding"}
+    ),
+    "transfer-encoding-x-chunked": Hostile(
+        _te("x-custom, chunked"), 400, None, {"httptools": "invalid_transfer_encoding"}
+    ),
+    "transfer-encoding-two-lines": Hostile(
+        request_bytes(
+            _chunked(GOOD),
+            content_length=None,
+            headers=[("transfer-encoding", "gzip"), ("transfer-encoding", "chunked")],
+        ),
+        400,
+        None,
+        {"httptools": "invalid_transfer_encoding"},
+    ),
+    "http-0.9": Hostile(b"GET /v1/models\r\n\r\n", 400, None, {"httptools": "unsupported_http_version"}),
+}
+
+
+@pytest.mark.parametrize("case", PARSER_CASES.values(), ids=PARSER_CASES.keys())
+async def test_framing_one_parser_lets_through_is_refused(parser_stack: tuple[str, Stack], case: Hostile) -> None:
+    await _refused(*parser_stack, case)
 
 
 async def test_gzip_bomb_is_stopped_at_the_limit_not_inflated(stack: Stack) -> None:
@@ -208,31 +273,43 @@ async def test_content_length_larger_than_sent_then_silence_is_a_408(stack: Stac
     assert changed["timed_out"] == 1 and "upstream.requests" not in changed
 
 
-async def test_content_length_smaller_than_sent(stack: Stack) -> None:
-    """h11 takes Content-Length bytes as the body and parses the rest as the next request."""
+async def test_content_length_smaller_than_sent(parser_stack: tuple[str, Stack]) -> None:
+    """h11 takes Content-Length bytes as the body and parses the rest as the next request.
+    httptools does too, but when the rest arrives in the same read it fails the whole read: the
+    first request is never run and the connection gets the plain 400."""
+    parser, stack = parser_stack
     before = stack.counts()
     body = b'{"model": "demo", "messages": []}' + b"GARBAGE THAT IS NOT A REQUEST\r\n\r\n"
     async with raw_client(stack.url) as client:
         await client.send(request_bytes(body, content_length=10))
         first = await client.response()
-        second = await client.response()
-    assert first.status == 400 and _is_error_json(first.body, "invalid_json")  # '{"model": ' alone
+        if parser == "httptools" and first.body == PLAIN_400:
+            assert first.status == 400 and first.headers["connection"] == "close"
+            second = first
+        else:
+            second = await client.response()
+            assert first.status == 400 and _is_error_json(first.body, "invalid_json")  # '{"model": ' alone
     assert second.status == 400 and second.body == PLAIN_400  # the rest is no request
     await assert_idle(stack.app, stack.url, upstream=stack.upstream)
     assert "upstream.requests" not in stack.since(before)
 
 
-async def test_oversized_headers_are_refused_by_the_server(stack: Stack, caplog: pytest.LogCaptureFixture) -> None:
+async def test_oversized_headers_are_refused_by_the_server(
+    parser_stack: tuple[str, Stack], caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest
+) -> None:
     """uvicorn (h11) refuses a header block still incomplete past 16 KiB (``h11_max_incomplete_event_size``)
     with its plain-text 400 and closes, before the gateway runs. A client still sending then may
     get the reset instead of the 400."""
+    parser, stack = parser_stack
+    if parser == "httptools":
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=HTTPTOOLS_HEADER_LIMIT))
     before = stack.counts()
-    request = request_bytes(GOOD, headers=[("x-padding", "a" * (1024 * 1024))])
+    data = request_bytes(GOOD, headers=[("x-padding", "a" * (1024 * 1024))])
     async with raw_client(stack.url) as client:
         with anyio.fail_after(5):
-            for start in range(0, len(request), 64 * 1024):
+            for start in range(0, len(data), 64 * 1024):
                 try:
-                    await client.send(request[start : start + 64 * 1024])
+                    await client.send(data[start : start + 64 * 1024])
                 except (anyio.BrokenResourceError, OSError):
                     break  # the server already answered and closed
             response = await client.response()

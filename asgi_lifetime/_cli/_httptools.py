@@ -1,0 +1,33 @@
+"""uvicorn's httptools protocol, without trailer fields: what ``asgi-lifetime serve`` runs when httptools is installed.
+
+llhttp reports the trailer fields after a chunked body through the same callback as the header
+fields, and uvicorn's ``HttpToolsProtocol`` appends them to the request's ``scope["headers"]``,
+often before the app has looked at it (the whole request came in one read). The gateway would
+then forward fields it never judged (a second ``Authorization``, another session id, a second
+``Content-Type``). h11 drops trailer fields; so does this protocol. Imported by uvicorn only
+(``uvicorn.Config(http="asgi_lifetime._cli._httptools:HttpToolsProtocol")``).
+"""
+
+from __future__ import annotations
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _UvicornHttpToolsProtocol
+
+__all__ = ["HttpToolsProtocol"]
+
+
+class HttpToolsProtocol(_UvicornHttpToolsProtocol):
+    """``HttpToolsProtocol`` that ignores the fields after the header block (chunked trailers)."""
+
+    _in_trailers = False
+
+    def on_message_begin(self) -> None:
+        self._in_trailers = False
+        super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_trailers:
+            super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_trailers = True
+        super().on_headers_complete()
