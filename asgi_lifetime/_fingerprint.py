@@ -104,7 +104,7 @@ def fingerprint(raw: bytes, *, parsed: Any = UNPARSED, wire_hash: str | None = N
 
 
 # Conversation keys, in priority order: OpenAI chat and Anthropic, OpenAI Responses, Gemini.
-CONVERSATION_KEYS: Final = ("messages", "input", "contents")
+_CONVERSATION_KEYS: Final = ("messages", "input", "contents")
 # Part types that carry text (or a tool call / result of text); any other type is media,
 # a file, a thinking block... and makes the body not comparable.
 _TEXT_TYPES: Final = frozenset(
@@ -123,7 +123,7 @@ _TEXT_TYPES: Final = frozenset(
 # where a "type" key means nothing to us.
 _OPAQUE_TYPES: Final = frozenset({"tool_use", "function_call"})
 # The keys of an object the walk reads (``_lazy`` keeps only these of an object it does not decode whole).
-NODE_KEYS: Final = frozenset({"type", "audio", "content", "output", "parts", "text", "tool_calls"})
+_NODE_KEYS: Final = frozenset({"type", "audio", "content", "output", "parts", "text", "tool_calls"})
 _LEAVES: Final = (str, type(None))  # comparable as they stand
 
 
@@ -169,7 +169,7 @@ def text_comparable(parsed: Any) -> bool:
     """
     if not isinstance(parsed, dict):
         return False
-    for key in CONVERSATION_KEYS:
+    for key in _CONVERSATION_KEYS:
         if key in parsed:
             seen: set[int] = set()  # one for both: what the system and the conversation share is walked once
             return _comparable(parsed[key], seen) and ("system" not in parsed or _comparable(parsed["system"], seen))

@@ -36,10 +36,11 @@ from typing import Any, Final
 import msgspec
 
 from . import _json
-from ._fingerprint import CONVERSATION_KEYS, NODE_KEYS, judge, text_comparable
-from ._parse import PARSE_SLACK, charge_for, offload
+from ._exceptions import MalformedBody
+from ._fingerprint import _CONVERSATION_KEYS, _NODE_KEYS, judge, text_comparable
+from ._parse import PARSE_SLACK, charge_for, offload, parse_body
 
-__all__ = ["LAZY_RATIO", "Shape", "inspect_body", "lazy_cost", "shape"]
+__all__ = ["LAZY_RATIO", "DeferredParse", "Shape", "inspect_body", "lazy_cost", "shape"]
 
 LAZY_RATIO: Final = 4
 """A body and the lazy walk's working set together may take at most this many times its size (+ PARSE_SLACK)."""
@@ -58,7 +59,7 @@ _DEPTH_COST: Final = 256 * 1024
 _NAME: Final = 256
 """Strings up to this many bytes are decoded whatever ``_SMALL`` is: a part type's name must be read."""
 _UTF8_STEP: Final = 64 * 1024
-_TOP_KEYS: Final = frozenset({*CONVERSATION_KEYS, "system"})
+_TOP_KEYS: Final = frozenset({*_CONVERSATION_KEYS, "system"})
 _WHITESPACE: Final = b" \t\n\r"
 _QUOTE, _ARRAY, _OBJECT = ord('"'), ord("["), ord("{")
 
@@ -74,6 +75,32 @@ class Shape:
     """``_fingerprint.text_comparable`` of the full parse."""
     conversation: str | None
     """``Conversation.of``'s key: the first of ``messages``, ``input``, ``contents`` holding an array."""
+
+
+class DeferredParse:
+    """A JSON body whose parse was not built (``handoff_parsed="on_demand"``): what the lazy walk
+    found, and how to charge the parse to the request if someone needs it after all.
+
+    It holds no part of the body: the caller passes the body to ``parse``.
+    """
+
+    __slots__ = ("conversation", "_charge")
+
+    def __init__(self, conversation: str | None, charge: Callable[[int], Awaitable[None]]) -> None:
+        self.conversation = conversation
+        """``Shape.conversation``: the key of the conversation array, if any."""
+        self._charge = charge
+
+    async def parse(self, raw: bytes) -> Any:
+        """The full parse of ``raw`` (the body this was made for), bounded and charged as the first
+        parse is (``_parse.parse_body``: 413 ``body_too_complex`` when it would take too much)."""
+        try:
+            return await parse_body(raw, charge=self._charge)
+        except _json.JSONDecodeFailure:  # the walk vouched for it: a body that is not this one
+            raise MalformedBody("request body is not valid JSON", code="invalid_json") from None
+
+    def __repr__(self) -> str:
+        return f"<DeferredParse conversation={self.conversation!r}>"
 
 
 class _Unsure(Exception):
@@ -100,7 +127,7 @@ def shape(raw: bytes) -> Shape | None:
                 kept[name] = piece
     except (_Unsure, msgspec.DecodeError, _json.JSONDecodeFailure, UnicodeDecodeError, RecursionError):
         return None
-    key = next((k for k in CONVERSATION_KEYS if isinstance(kept.get(k), list)), None)
+    key = next((k for k in _CONVERSATION_KEYS if isinstance(kept.get(k), list)), None)
     return Shape(text_comparable=text_comparable(kept), conversation=key)
 
 
@@ -160,7 +187,7 @@ def _stand_in(value: msgspec.Raw) -> Any:
         while entries:
             name, item = entries.popitem()
             piece = _stand_in(item)
-            if name in NODE_KEYS:
+            if name in _NODE_KEYS:
                 kept[name] = piece
         return kept
     return _json.loads_fast(view)  # a long number

@@ -174,7 +174,8 @@ def create_app(
                 upstream_api_key=settings.upstream_api_key,
                 upstream_auth=settings.upstream_auth,
             ),
-            Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=True),
+            # The parse is built only if a preparer or a custom refold factory needs it (DeferredParse).
+            Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed="on_demand"),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,

@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from .. import _json
 from .._fingerprint import Fingerprint
+from .._lazy import DeferredParse
 from .._resources import RequestResources
 from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
@@ -215,7 +216,14 @@ async def prepare(
     ``Conversation`` of the final parse instead, which their closures then keep alive
     until ``Prepared.settle()``. ``malloc_trim`` is the ``MALLOC_TRIM`` setting: whether the
     freed parse goes back to the OS while a large changed body is serialized.
+
+    ``parsed`` may be a ``DeferredParse`` (the middleware's ``handoff_parsed="on_demand"``): the
+    parse is then built here, charged and bounded, only if a preparer or a custom factory needs it.
     """
+    if isinstance(parsed, DeferredParse):
+        if not preparers and refold_factory is default_refold and remap_factory is default_remap_role:
+            return _unchanged(raw, parsed.conversation, method=method, path=path, headers=headers)
+        parsed = await parsed.parse(raw)
     draft = Draft(parsed, fingerprint=fingerprint, session_id=session_id, path=path, resources=resources)
     del parsed  # the draft is its one holder here: a replaced body can be freed while preparers run
     try:
@@ -266,6 +274,16 @@ async def prepare(
     del graph  # nothing below needs the parse: the closures re-parse the outbound body
     prepared = Prepared(method=method, path=path, headers=_merge_headers(headers, extra), body=body)
     if key is not None:
+        prepared.refold, prepared.remap_role = _from_outbound(prepared)
+    return prepared
+
+
+def _unchanged(
+    raw: bytes, conversation: str | None, *, method: str, path: str, headers: Sequence[tuple[str, str]]
+) -> Prepared:
+    """The ``Prepared`` of a body nobody needs parsed: forwarded as received, refolded from the outbound body."""
+    prepared = Prepared(method=method, path=path, headers=list(headers), body=raw)
+    if conversation is not None:
         prepared.refold, prepared.remap_role = _from_outbound(prepared)
     return prepared
 
