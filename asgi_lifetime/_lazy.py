@@ -75,6 +75,8 @@ class Shape:
     """``_fingerprint.text_comparable`` of the full parse."""
     conversation: str | None
     """``Conversation.of``'s key: the first of ``messages``, ``input``, ``contents`` holding an array."""
+    span: tuple[int, int] | None = None
+    """Where that array is in the body: ``raw[start:end]`` is its JSON, ``[`` to ``]``."""
 
 
 class DeferredParse:
@@ -84,11 +86,13 @@ class DeferredParse:
     It holds no part of the body: the caller passes the body to ``parse``.
     """
 
-    __slots__ = ("conversation", "_charge")
+    __slots__ = ("conversation", "span", "_charge")
 
-    def __init__(self, conversation: str | None, charge: Callable[[int], Awaitable[None]]) -> None:
-        self.conversation = conversation
+    def __init__(self, found: Shape, charge: Callable[[int], Awaitable[None]]) -> None:
+        self.conversation = found.conversation
         """``Shape.conversation``: the key of the conversation array, if any."""
+        self.span = found.span
+        """``Shape.span``: where that array is in the body."""
         self._charge = charge
 
     async def parse(self, raw: bytes) -> Any:
@@ -118,7 +122,9 @@ def shape(raw: bytes) -> Shape | None:
     """The verdict and conversation key of ``raw``, if the full parse would succeed; else None."""
     try:
         top = _objects.decode(raw)
-        _check_entries(raw, top, _padding(raw))
+        lead, trail = _padding(raw)
+        _check_entries(raw, top, lead + trail)
+        spans = _spans(top, lead)
         kept: dict[str, Any] = {}
         while top:
             name, value = top.popitem()  # each view goes as soon as it is judged
@@ -128,7 +134,7 @@ def shape(raw: bytes) -> Shape | None:
     except (_Unsure, msgspec.DecodeError, _json.JSONDecodeFailure, UnicodeDecodeError, RecursionError):
         return None
     key = next((k for k in _CONVERSATION_KEYS if isinstance(kept.get(k), list)), None)
-    return Shape(text_comparable=text_comparable(kept), conversation=key)
+    return Shape(text_comparable=text_comparable(kept), conversation=key, span=spans.get(key) if key else None)
 
 
 async def inspect_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) -> Shape | None:
@@ -145,14 +151,26 @@ async def inspect_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) 
     return await offload(size, lambda: shape(raw))
 
 
-def _padding(raw: bytes) -> int:
-    """Whitespace bytes around the top-level value (a trailing newline, say)."""
+def _padding(raw: bytes) -> tuple[int, int]:
+    """Whitespace bytes before and after the top-level value (a trailing newline, say)."""
     start, end = 0, len(raw)
     while start < end and raw[start] in _WHITESPACE:
         start += 1
     while end > start and raw[end - 1] in _WHITESPACE:
         end -= 1
-    return len(raw) - (end - start)
+    return start, len(raw) - end
+
+
+def _spans(entries: dict[str, msgspec.Raw], lead: int) -> dict[str, tuple[int, int]]:
+    """Where the conversation keys' values are in a compact object (``_check_entries``) after ``lead`` bytes."""
+    spans: dict[str, tuple[int, int]] = {}
+    at = lead + 1
+    for name, value in entries.items():
+        at += len(_json.dumps(name)) + 1
+        if name in _CONVERSATION_KEYS:
+            spans[name] = (at, at + len(value))
+        at += len(value) + 1
+    return spans
 
 
 def _check_entries(source: Any, entries: dict[str, msgspec.Raw], padding: int = 0) -> None:

@@ -327,7 +327,7 @@ async def _first_look(raw: bytes, ticket: Ticket, handoff: bool | Literal["on_de
         found = await inspect_body(raw, charge=ticket.grow_to)
         ticket.shrink_to(len(raw))  # the walk's working set is gone
         if found is not None:
-            deferred = DeferredParse(found.conversation, ticket.grow_to) if handoff == "on_demand" else _NOT_PARSED
+            deferred = DeferredParse(found, ticket.grow_to) if handoff == "on_demand" else _NOT_PARSED
             return deferred, found.text_comparable
     try:
         return await parse_body(raw, charge=ticket.grow_to), None
