@@ -182,6 +182,11 @@ P = TypeVar("P", bound=Preparer)
 _WITHOUT_PARSE: Final = "__asgi_lifetime_without_parse__"
 
 
+def is_without_parse(preparer: Preparer) -> bool:
+    """Whether ``preparer`` was declared ``without_parse``."""
+    return bool(getattr(preparer, _WITHOUT_PARSE, False))
+
+
 def without_parse(preparer: P) -> P:
     """Declare that ``preparer`` does not read ``draft.body`` (only ``draft.conversation``, the headers
     and the request's facts), so the body need not be parsed for it."""
@@ -311,7 +316,7 @@ async def prepare(
     del parsed  # the draft is its one holder here: a replaced body can be freed while preparers run
     try:
         for preparer in preparers:
-            if not getattr(preparer, _WITHOUT_PARSE, False):
+            if not is_without_parse(preparer):
                 await draft._parse(raw)  # materialised on demand: the first preparer that may read it
             result = preparer(draft)
             if inspect.isawaitable(result):
