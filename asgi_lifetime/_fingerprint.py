@@ -122,6 +122,8 @@ _TEXT_TYPES: Final = frozenset(
 # Tool calls: comparable without looking inside; their arguments are the tool's own JSON,
 # where a "type" key means nothing to us.
 _OPAQUE_TYPES: Final = frozenset({"tool_use", "function_call"})
+# The keys of an object the walk reads (``_lazy`` keeps only these of an object it does not decode whole).
+_NODE_KEYS: Final = frozenset({"type", "audio", "content", "output", "parts", "text", "tool_calls"})
 _LEAVES: Final = (str, type(None))  # comparable as they stand
 
 
@@ -172,6 +174,11 @@ def text_comparable(parsed: Any) -> bool:
             seen: set[int] = set()  # one for both: what the system and the conversation share is walked once
             return _comparable(parsed[key], seen) and ("system" not in parsed or _comparable(parsed["system"], seen))
     return False
+
+
+def judge(node: Any) -> bool:
+    """``text_comparable``'s verdict on one value of a conversation (a message, a part, a list of them)."""
+    return _comparable(node, set())
 
 
 def _comparable(node: Any, seen: set[int]) -> bool:

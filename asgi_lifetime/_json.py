@@ -93,7 +93,7 @@ class StdlibMayAccept(JSONDecodeFailure):
     """msgspec refused the document for a reason the standard library does not share."""
 
 
-def loads_fast(raw: bytes) -> Any:
+def loads_fast(raw: bytes | memoryview) -> Any:
     """``loads`` without the standard library's second pass: ``StdlibMayAccept`` says it would be worth it."""
     try:
         return _decoder.decode(raw)
@@ -143,7 +143,7 @@ _AT_BYTE: Final = re.compile(r"\(byte (\d+)\)")
 _SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89abAB]")
 
 
-def _stdlib_may_accept(raw: bytes, message: str) -> bool:
+def _stdlib_may_accept(raw: bytes | memoryview, message: str) -> bool:
     """Whether msgspec's ``DecodeError`` is about something the standard library parses.
 
     Those are ``NaN`` / ``Infinity`` (an invalid character ``N`` or ``I``) and lone surrogate

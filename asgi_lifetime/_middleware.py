@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from blake3 import blake3
@@ -24,6 +24,7 @@ from ._exceptions import (
     MalformedBody,
 )
 from ._fingerprint import Fingerprint, fingerprint
+from ._lazy import DeferredParse, inspect_body
 from ._parse import offload, parse_body
 from ._resources import RequestResources, Resource
 from ._settings import LifetimeSettings
@@ -90,6 +91,8 @@ class RequestLifetime:
 
         Returns it once and forgets it, so the middleware holds no reference afterwards.
         Raises ``LookupError`` when there is none (not handed off, not JSON, or already taken).
+        With ``handoff_parsed="on_demand"`` it is a ``DeferredParse`` when the body's verdict was
+        found without the parse (``DeferredParse.parse(body)`` builds it, charged and bounded).
         """
         parsed, self._parsed = self._parsed, _NOT_PARSED
         if parsed is _NOT_PARSED:
@@ -177,7 +180,9 @@ class LifetimeMiddleware:
     mapping) if set, else the environment (``ASGI_LIFETIME_*`` and ``.env``). Requests outside
     ``PATHS`` and non-HTTP scopes pass through untouched. The admission slot and byte budget
     come back on every settlement path. ``handoff_parsed=True`` keeps the first parse for the
-    inner app to ``take_parsed()`` (the gateway uses it to parse once).
+    inner app to ``take_parsed()``. Otherwise a large JSON body is not parsed at all when the
+    lazy walk (``_lazy``) can tell its verdict; with ``handoff_parsed="on_demand"`` (the gateway)
+    ``take_parsed()`` then hands over a ``DeferredParse`` instead of the parse.
     """
 
     def __init__(
@@ -186,7 +191,7 @@ class LifetimeMiddleware:
         *,
         settings: LifetimeSettings | None = None,
         lifetime: Lifetime | None = None,
-        handoff_parsed: bool = False,
+        handoff_parsed: bool | Literal["on_demand"] = False,
     ) -> None:
         if settings is not None and lifetime is not None:
             raise ValueError("pass either settings= or lifetime= (a Lifetime shared with other parts), not both")
@@ -295,20 +300,18 @@ class LifetimeMiddleware:
             raise
         ticket.shrink_to(len(raw))  # give back the last inflate step's unused reservation
         hold = resources.retain(len(raw))
-        parsed: Any = _NOT_PARSED
-        if json_body:
-            try:
-                # Refuses (413) a body whose parse would be too large; charges the ticket for the parse.
-                parsed = await parse_body(raw, charge=ticket.grow_to)
-            except _json.JSONDecodeFailure:
-                pass
+        parsed, verdict = await _first_look(raw, ticket, self.handoff_parsed) if json_body else (_NOT_PARSED, None)
         digest = hasher.hexdigest()
-        first = None if parsed is _NOT_PARSED else parsed
-        fp = await offload(len(raw), lambda: fingerprint(raw, parsed=first, wire_hash=digest))
+        if verdict is None:
+            first = None if parsed is _NOT_PARSED else parsed
+            fp = await offload(len(raw), lambda: fingerprint(raw, parsed=first, wire_hash=digest))
+        else:
+            fp = Fingerprint(wire_hash=digest, text_comparable=verdict, size=len(raw))
         state = RequestLifetime(fp, admission_wait=admission_wait, resources=resources)
         if self.handoff_parsed and parsed is not _NOT_PARSED:
             state._parsed = parsed
-            state._parsed_hold = resources.retain(len(raw))
+            if not isinstance(parsed, DeferredParse):  # that holds nothing of the body
+                state._parsed_hold = resources.retain(len(raw))
 
         inner_scope = dict(scope)
         # One state dict for both scopes: what the inner app puts in ``request.state`` is seen
@@ -400,6 +403,23 @@ def _replaying(early: list[Message], receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+async def _first_look(raw: bytes, ticket: Ticket, handoff: bool | Literal["on_demand"]) -> tuple[Any, bool | None]:
+    """The parse to hand over (or ``_NOT_PARSED``, or a ``DeferredParse``) and the verdict, if known
+    without the parse. Unless the app asked for the parse itself (``handoff_parsed=True``), the lazy
+    walk answers first; the full parse (refused with 413 when too costly, charged to the ticket)
+    only when it cannot."""
+    if handoff is not True:
+        found = await inspect_body(raw, charge=ticket.grow_to)
+        ticket.shrink_to(len(raw))  # the walk's working set is gone
+        if found is not None:
+            deferred = DeferredParse(found, ticket.grow_to) if handoff == "on_demand" else _NOT_PARSED
+            return deferred, found.text_comparable
+    try:
+        return await parse_body(raw, charge=ticket.grow_to), None
+    except _json.JSONDecodeFailure:
+        return _NOT_PARSED, None
 
 
 def _count(counters: Counters, exc: LifetimeError) -> None:

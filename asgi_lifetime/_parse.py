@@ -41,6 +41,7 @@ __all__ = [
     "PARSE_RATIO",
     "PARSE_SLACK",
     "THREAD_THRESHOLD",
+    "charge_for",
     "offload",
     "parse_body",
     "parse_cost",
@@ -268,7 +269,7 @@ async def parse_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) ->
         # What is not JSON at all (bad syntax, 100k levels deep) is that first: 400, not 413.
         await offload(size, lambda: _json.check_syntax(raw))
         raise BodyTooComplex(size, cost)
-    await charge(_charge(size, cost))
+    await charge(charge_for(size, cost))
     try:
         return await offload(size, lambda: _json.loads_fast(raw))
     except _json.StdlibMayAccept:
@@ -277,11 +278,12 @@ async def parse_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) ->
     cost += stdlib_extra(raw, cost)
     if size + cost > parse_limit(size):
         raise BodyTooComplex(size, cost) from None
-    await charge(_charge(size, cost))
+    await charge(charge_for(size, cost))
     return await offload(size, lambda: _json.loads_stdlib(raw))
 
 
-def _charge(size: int, cost: int) -> int:
+def charge_for(size: int, cost: int) -> int:
+    """What ``charge`` is asked for a body of ``size`` bytes and a working set of ``cost``."""
     # The first PARSE_SLACK bytes of a parse are, like the rest of a request's fixed overhead,
     # covered by MAX_INFLIGHT: a small body is charged its size, as before.
     return size + max(0, cost - PARSE_SLACK)

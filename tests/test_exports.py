@@ -54,6 +54,7 @@ GATEWAY = [
     "AttemptEvent",
     "Bookkeeper",
     "Conversation",
+    "ConversationView",
     "Draft",
     "GatewayAuth",
     "GatewayMetrics",
@@ -69,6 +70,7 @@ GATEWAY = [
     "create_app",
     "default_refold",
     "default_remap_role",
+    "without_parse",
 ]
 TESTING = [
     "DemoStats",

@@ -654,3 +654,80 @@ async def test_paths_without_a_final_body_message_still_release_everything(endin
     stats = middleware.stats()
     assert stats.idle, stats
     assert stats.completed == (1 if ending in ("returns_without_final", "no_response") else 0)  # returned normally
+
+
+# A large conversation (the lazy walk answers bodies above 64 KiB), and hostile variants of it.
+LARGE_MESSAGES = [{"role": "user", "content": "some words " * 1000}, {"role": "assistant", "content": "ok é"}] * 20
+LARGE = json.dumps({"model": "m", "messages": LARGE_MESSAGES}, separators=(",", ":"), ensure_ascii=False).encode()
+_AT = LARGE.index(b"some words")
+LARGE_VARIANTS = {
+    "plain": LARGE,
+    "image part": LARGE.replace(b'"ok \xc3\xa9"', b'[{"type":"image_url","image_url":{"url":"x"}}]', 1),
+    "invalid utf-8": LARGE[:_AT] + b"\xff" + LARGE[_AT:],
+    "encoded surrogate": LARGE[:_AT] + b"\xed\xa0\x80" + LARGE[_AT:],
+    "lone surrogate escape": LARGE[:_AT] + b"\\ud800" + LARGE[_AT:],
+    "duplicate messages key": LARGE[:-1] + b',"messages":[{"type":"image"}]}',
+    "duplicate, first invalid": b'{"messages":"\xff",' + LARGE[1:],
+    "NaN": LARGE[:-1] + b',"t":NaN}',
+    "huge int": LARGE[:-1] + b',"t":1' + b"0" * 5000 + b"}",
+    "spaced": json.dumps({"model": "m", "messages": LARGE_MESSAGES}).encode(),
+    "array at the top": b"[" + LARGE + b"]",
+    "truncated": LARGE[:-1],
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", list(LARGE_VARIANTS))
+@pytest.mark.parametrize("handoff", [False, "on_demand"])
+async def test_a_large_body_gets_the_full_parse_verdict_without_the_parse(
+    monkeypatch: pytest.MonkeyPatch, name: str, handoff: Literal[False, "on_demand"]
+) -> None:
+    """The verdict is the full parse's on every variant; a body the lazy walk can vouch for is not
+    parsed at all (the others are, as before, and the gateway is handed what it was before)."""
+    from asgi_lifetime import _json, _middleware
+    from asgi_lifetime._fingerprint import fingerprint
+
+    raw = LARGE_VARIANTS[name]
+    parses: list[bytes] = []
+    real = _middleware.parse_body
+
+    async def counting(body: bytes, **kwargs: Any) -> Any:
+        parses.append(body)
+        return await real(body, **kwargs)
+
+    monkeypatch.setattr(_middleware, "parse_body", counting)
+    seen: list[Any] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        lifetime: RequestLifetime = scope["state"]["lifetime"]
+        try:
+            seen.append(lifetime.take_parsed())
+        except LookupError:
+            seen.append(None)
+        seen.append(lifetime.fingerprint)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = LifetimeMiddleware(app, settings=settings(), handoff_parsed=handoff)
+    out = Recorder()
+    await middleware(http_scope(), receiving([{"type": "http.request", "body": raw}]), out)
+    lazy = name in ("plain", "image part")
+    assert parses == ([] if lazy else [raw])
+    if not seen:  # refused by the full parse's bound, as before (a lone surrogate: 4 bytes per character)
+        assert name == "lone surrogate escape" and out.messages[0]["status"] == 413
+        return
+    taken, fp = seen
+    assert fp == fingerprint(raw)  # the full parse's verdict (fingerprint parses raw itself)
+    if handoff == "on_demand":
+        from asgi_lifetime._lazy import DeferredParse
+
+        if lazy:
+            assert isinstance(taken, DeferredParse) and taken.conversation == "messages"
+        else:
+            try:
+                assert _json.dumps(taken) == _json.dumps(_json.loads(raw))  # NaN != NaN
+            except _json.JSONDecodeFailure:
+                assert taken is None
+    else:
+        assert taken is None
+    assert middleware.stats().idle

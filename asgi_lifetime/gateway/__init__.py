@@ -21,7 +21,7 @@ try:
     from ._auth import GatewayAuth
     from ._bookkeeping import Bookkeeper, Outcome, SessionBook, SessionEntry
     from ._metrics import GatewayMetrics
-    from ._prepare import Draft, Prepared, Preparer
+    from ._prepare import ConversationView, Draft, Prepared, Preparer, without_parse
     from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
     from ._session_store import RedisSessionBook
     from ._upstream import AttemptEvent, UpstreamClient
@@ -40,6 +40,7 @@ __all__ = [
     "AttemptEvent",
     "Bookkeeper",
     "Conversation",
+    "ConversationView",
     "Draft",
     "GatewayAuth",
     "GatewayMetrics",
@@ -55,6 +56,7 @@ __all__ = [
     "create_app",
     "default_refold",
     "default_remap_role",
+    "without_parse",
 ]
 
 # Reprs, tracebacks, pickles and the API reference show the public path, not the private module.

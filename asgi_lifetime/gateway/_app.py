@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import httpx
@@ -41,7 +41,7 @@ from ._auth import GatewayAuth
 from ._bookkeeping import Bookkeeper
 from ._forward import Forwarder
 from ._metrics import MULTIPROC_DIR_ENV, GatewayMetrics, make_metrics_route
-from ._prepare import Preparer
+from ._prepare import Preparer, is_without_parse
 from ._refold import Conversation, Refold, default_refold
 from ._session_store import RedisSessionBook, make_session_book
 from ._shutdown import grace_starts_at, shutdown_requested
@@ -175,7 +175,7 @@ def create_app(
                 upstream_api_key=settings.upstream_api_key,
                 upstream_auth=settings.upstream_auth,
             ),
-            Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=True),
+            Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=_handoff(preparers, refold_factory)),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
@@ -187,6 +187,16 @@ def create_app(
     app.state.workers = workers
     app.state.drain = drain
     return app
+
+
+def _handoff(
+    preparers: Sequence[Preparer], refold_factory: Callable[[Conversation], Refold]
+) -> Literal["on_demand", True]:
+    """Parse every JSON body at once when a preparer reads ``draft.body`` or a custom refold factory
+    gets the parse (the lazy walk would only come first); else only when the walk cannot tell."""
+    if refold_factory is default_refold and all(is_without_parse(preparer) for preparer in preparers):
+        return "on_demand"
+    return True
 
 
 def _fan_out(listeners: Sequence[Callable[[AttemptEvent], None]], event: AttemptEvent) -> None:

@@ -23,16 +23,17 @@ import functools
 import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from .. import _json
 from .._fingerprint import Fingerprint
+from .._lazy import DeferredParse
 from .._resources import RequestResources
 from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
 from ._spill import SpilledBody  # at run time: typing.get_type_hints resolves Prepared.spill_to's hints
 
-__all__ = ["Draft", "Prepared", "Preparer", "prepare"]
+__all__ = ["ConversationView", "Draft", "Prepared", "Preparer", "prepare", "without_parse"]
 
 _TRIM_EVERY: Final = TRIM_THRESHOLD
 """While a large changed body is serialized, give the freed parse back to the OS this often (bytes written)."""
@@ -53,9 +54,14 @@ class Draft:
         draft.mark_changed()
         draft.headers["x-routed"] = "1"
     ```
+
+    ``draft.conversation`` adds messages without reading the body; a preparer that uses only it
+    (and the headers) is declared ``@without_parse``: then, if no other preparer reads
+    ``draft.body``, the body is never parsed and the new messages are spliced into the bytes
+    as received.
     """
 
-    __slots__ = ("_body", "_changed", "_resources", "headers", "fingerprint", "session_id", "path")
+    __slots__ = ("_body", "_changed", "_resources", "_first", "_last", "headers", "fingerprint", "session_id", "path")
 
     def __init__(
         self, body: Any, *, fingerprint: Fingerprint, session_id: str | None, path: str, resources: RequestResources
@@ -63,6 +69,8 @@ class Draft:
         self._body = body
         self._changed = False
         self._resources: RequestResources | None = resources
+        self._first: list[Any] = []  # what the conversation gains before and after its items,
+        self._last: list[Any] = []  # while the body is not parsed (a DeferredParse)
         self.headers: dict[str, str] = {}
         self.fingerprint = fingerprint
         self.session_id = session_id
@@ -71,12 +79,26 @@ class Draft:
     @property
     def body(self) -> Any:
         """The parsed JSON body (mutable)."""
+        if isinstance(self._body, DeferredParse):
+            raise RuntimeError("a preparer declared @without_parse read draft.body: remove the declaration")
         return self._body
 
     @body.setter
     def body(self, value: Any) -> None:
         self._body = value
+        self._first, self._last = [], []  # what was added to the body it replaces goes with it
         self._changed = True
+
+    @property
+    def conversation(self) -> ConversationView | None:
+        """The body's ``messages``, ``input`` or ``contents`` array, to extend; None if it has none."""
+        body = self._body
+        if isinstance(body, DeferredParse):
+            key = body.conversation
+        else:
+            found = Conversation.of(body)
+            key = found.key if found is not None else None
+        return ConversationView(self, key) if key is not None else None
 
     @property
     def changed(self) -> bool:
@@ -97,9 +119,79 @@ class Draft:
         body, self._body, self._resources = self._body, None, None
         return body
 
+    async def _parse(self, raw: bytes) -> None:
+        """Build the parse the body was deferred from (charged, bounded), with the messages added so far."""
+        deferred = self._body
+        if not isinstance(deferred, DeferredParse):
+            return
+        parsed = await deferred.parse(raw)
+        if self._first or self._last:
+            items = parsed[deferred.conversation]
+            items[:0] = self._first
+            items.extend(self._last)
+            self._first, self._last = [], []
+        self._body = parsed
+
+
+class ConversationView:
+    """A request's conversation (``draft.conversation``), to add messages to without parsing the body.
+
+    ```python
+    @without_parse
+    def add_policy(draft: Draft) -> None:
+        if draft.conversation is not None:
+            draft.conversation.prepend({"role": "system", "content": "Be brief."})
+    ```
+    """
+
+    __slots__ = ("_draft", "key")
+
+    def __init__(self, draft: Draft, key: str) -> None:
+        self._draft = draft
+        self.key = key
+        """``messages``, ``input`` or ``contents``."""
+
+    def prepend(self, item: Any) -> None:
+        """Insert ``item`` before the first message (the last prepended comes first)."""
+        self._add(item, first=True)
+
+    def append(self, item: Any) -> None:
+        """Add ``item`` after the last message."""
+        self._add(item, first=False)
+
+    def _add(self, item: Any, *, first: bool) -> None:
+        draft = self._draft
+        if draft._resources is None:
+            raise RuntimeError("the draft is closed: change the conversation while the preparer runs")
+        if isinstance(draft._body, DeferredParse):
+            if first:
+                draft._first.insert(0, item)
+            else:
+                draft._last.append(item)
+        elif first:
+            draft._body[self.key].insert(0, item)
+        else:
+            draft._body[self.key].append(item)
+        draft._changed = True
+
 
 Preparer = Callable[[Draft], Awaitable[None] | None]
 """A sync or async callable that may change a ``Draft``."""
+
+P = TypeVar("P", bound=Preparer)
+_WITHOUT_PARSE: Final = "__asgi_lifetime_without_parse__"
+
+
+def is_without_parse(preparer: Preparer) -> bool:
+    """Whether ``preparer`` was declared ``without_parse``."""
+    return bool(getattr(preparer, _WITHOUT_PARSE, False))
+
+
+def without_parse(preparer: P) -> P:
+    """Declare that ``preparer`` does not read ``draft.body`` (only ``draft.conversation``, the headers
+    and the request's facts), so the body need not be parsed for it."""
+    setattr(preparer, _WITHOUT_PARSE, True)
+    return preparer
 
 
 class Prepared:
@@ -215,19 +307,32 @@ async def prepare(
     ``Conversation`` of the final parse instead, which their closures then keep alive
     until ``Prepared.settle()``. ``malloc_trim`` is the ``MALLOC_TRIM`` setting: whether the
     freed parse goes back to the OS while a large changed body is serialized.
+
+    ``parsed`` may be a ``DeferredParse`` (the middleware's ``handoff_parsed="on_demand"``): the
+    parse is then built here, charged and bounded, only if a preparer or a custom factory needs it.
     """
+    custom = refold_factory is not default_refold or remap_factory is not default_remap_role
     draft = Draft(parsed, fingerprint=fingerprint, session_id=session_id, path=path, resources=resources)
     del parsed  # the draft is its one holder here: a replaced body can be freed while preparers run
     try:
         for preparer in preparers:
+            if not is_without_parse(preparer):
+                await draft._parse(raw)  # materialised on demand: the first preparer that may read it
             result = preparer(draft)
             if inspect.isawaitable(result):
                 await result
+        if custom:
+            await draft._parse(raw)  # a custom factory gets the parse
     except BaseException:
         draft._close()
         raise
-    changed, extra = draft.changed, dict(draft.headers)
+    changed, extra, first, last = draft.changed, dict(draft.headers), draft._first, draft._last
     graph = draft._close()
+    if isinstance(graph, DeferredParse):
+        # Nobody read the body: forward it as received, with the added messages spliced in.
+        body = _splice(raw, graph.span, first, last) if changed and graph.span is not None else raw
+        del raw
+        return _unchanged(body, graph.conversation, method=method, path=path, headers=_merge_headers(headers, extra))
     conversation = Conversation.of(graph)
     if conversation is not None and (refold_factory is not default_refold or remap_factory is not default_remap_role):
         # A custom factory gets the parse (and keeps it until retries settle): serialize it intact.
@@ -268,6 +373,34 @@ async def prepare(
     if key is not None:
         prepared.refold, prepared.remap_role = _from_outbound(prepared)
     return prepared
+
+
+def _unchanged(
+    body: bytes, conversation: str | None, *, method: str, path: str, headers: Sequence[tuple[str, str]]
+) -> Prepared:
+    """The ``Prepared`` of a body nobody parsed: refold and role remap work from the outbound body."""
+    prepared = Prepared(method=method, path=path, headers=list(headers), body=body)
+    if conversation is not None:
+        prepared.refold, prepared.remap_role = _from_outbound(prepared)
+    return prepared
+
+
+def _splice(raw: bytes, span: tuple[int, int], first: list[Any], last: list[Any]) -> bytes:
+    """``raw`` with ``first`` and ``last`` serialized into the array at ``raw[span[0]:span[1]]``, in one copy."""
+    start, end = span
+    view = memoryview(raw)
+    middle: list[bytes | memoryview] = [_json.dumps(item) for item in first]
+    if end - start > 2:  # not "[]": its items, as received
+        middle.append(view[start + 1 : end - 1])
+    middle += [_json.dumps(item) for item in last]
+    parts: list[bytes | memoryview] = [view[: start + 1]]
+    for n, piece in enumerate(middle):
+        if n:
+            parts.append(b",")
+        parts.append(piece)
+    parts.append(view[end - 1 :])
+    del middle, view
+    return b"".join(parts)
 
 
 def _from_outbound(prepared: Prepared) -> tuple[Refold, RemapRole]:

@@ -130,7 +130,9 @@ async def test_the_parse_is_charged_and_other_requests_are_served_while_it_runs(
     monkeypatch.setattr(_json, "loads_fast", blocked)
     raw = make_body("turns", 2 * MiB)
     upstream = Recorder()
-    with gateway(upstream, admission_timeout=10.0) as (url, app):
+    # A preparer that reads the body: the gateway parses every JSON body at once (without one, a
+    # conversation the lazy walk can judge is not parsed at all).
+    with gateway(upstream, admission_timeout=10.0, preparers=[_route]) as (url, app):
         results: dict[str, int] = {}
 
         async def large() -> None:
@@ -256,3 +258,47 @@ async def test_an_unexpected_exception_is_a_json_500_that_leaks_nothing(caplog: 
     logged = [r for r in caplog.records if r.name == "asgi_lifetime.gateway" and r.exc_info]
     assert logged and "RuntimeError" in logged[0].getMessage()
     assert logged[0].exc_info is not None and "secret detail" in str(logged[0].exc_info[1])
+
+
+# --- a conversation nobody needs parsed ---------------------------------------------------------
+
+
+def _inject(draft: Draft) -> None:
+    assert draft.conversation is not None
+    draft.conversation.prepend({"role": "system", "content": "policy"})
+
+
+@pytest.mark.parametrize("change", [False, True])
+async def test_a_large_conversation_is_forwarded_without_its_parse(
+    monkeypatch: pytest.MonkeyPatch, change: bool
+) -> None:
+    """No preparer, or one declared ``without_parse`` that adds a message: the body is judged by the
+    lazy walk, never parsed whole, and the added message is spliced into the bytes as received."""
+    from asgi_lifetime.gateway import without_parse
+
+    whole: list[int] = []
+    real = _json.loads_fast
+
+    def counting(raw: Any) -> Any:
+        if len(raw) >= MiB:
+            whole.append(len(raw))
+        return real(raw)
+
+    monkeypatch.setattr(_json, "loads_fast", counting)
+    raw = make_body("turns", 4 * MiB)
+    upstream = Recorder()
+    with gateway(upstream, preparers=[without_parse(_inject)] if change else []) as (url, app):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            response = await client.post(PATH, content=raw, headers=JSON)
+        assert response.status_code == 200
+        assert whole == []
+        if change:
+            sent = upstream.bodies[0]
+            expected = json.loads(raw)
+            expected["messages"].insert(0, {"role": "system", "content": "policy"})
+            assert json.loads(sent) == expected
+            at = raw.index(b"[") + 1
+            assert sent[at + len(b'{"role":"system","content":"policy"},') :] == raw[at:]  # as received
+        else:
+            assert upstream.bodies == [raw]
+        await assert_idle(app, url)

@@ -247,3 +247,162 @@ def test_settle_is_idempotent_and_release_body() -> None:
     again.release_body()
     assert again.body is None
     assert "released" in repr(again)
+
+
+# ---------------------------------------------------------------------------------------------
+# A body whose parse was deferred (the middleware's handoff_parsed="on_demand")
+
+LARGE = _json.dumps(
+    {
+        "model": "m",
+        "messages": [{"role": "user", "content": "some words " * 1000}, {"role": "assistant", "content": "ok é"}] * 20,
+        "stream": True,
+    }
+)
+
+
+def deferred(raw: bytes, charged: list[int] | None = None) -> Any:
+    from asgi_lifetime._lazy import DeferredParse, shape
+
+    found = shape(raw)
+    assert found is not None
+
+    async def charge(total: int) -> None:
+        (charged if charged is not None else []).append(total)
+
+    return DeferredParse(found, charge)
+
+
+def spy_parse(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Count full parses (``_parse.parse_body``, what ``DeferredParse.parse`` runs)."""
+    from asgi_lifetime import _lazy
+
+    parses: list[bytes] = []
+    real = _lazy.parse_body
+
+    async def counting(raw: bytes, **kwargs: Any) -> Any:
+        parses.append(raw)
+        return await real(raw, **kwargs)
+
+    monkeypatch.setattr(_lazy, "parse_body", counting)
+    return parses
+
+
+async def test_deferred_without_preparers_is_forwarded_unparsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    parses = spy_parse(monkeypatch)
+    prepared = await run([], raw=LARGE, parsed=deferred(LARGE))
+    assert prepared.body is LARGE
+    assert parses == []
+    assert prepared.refold is not None and prepared.remap_role is not None
+    renamed = prepared.remap_role("assistant", "model")  # the closures re-parse the outbound body
+    assert renamed is not None and json.loads(renamed)["messages"][1]["role"] == "model"
+
+
+@pytest.mark.parametrize("spelling", ["compact", "newline", "empty"])
+async def test_a_without_parse_preparer_splices_into_the_received_bytes(
+    monkeypatch: pytest.MonkeyPatch, spelling: str
+) -> None:
+    from asgi_lifetime.gateway import without_parse
+
+    doc = json.loads(LARGE)
+    if spelling == "empty":
+        doc["messages"] = []
+        doc["pad"] = "x" * 100_000
+    raw = _json.dumps(doc) + (b"\n" if spelling == "newline" else b"")
+    parses = spy_parse(monkeypatch)
+
+    @without_parse
+    def inject(draft: Draft) -> None:
+        assert draft.conversation is not None and draft.conversation.key == "messages"
+        draft.conversation.prepend({"role": "system", "content": "second"})
+        draft.conversation.prepend({"role": "system", "content": "first"})
+        draft.conversation.append({"role": "user", "content": "last"})
+        draft.headers["x-injected"] = "1"
+
+    prepared = await run([inject], raw=raw, parsed=deferred(raw))
+    assert parses == []
+    assert prepared.body is not None
+    expected = dict(doc)
+    expected["messages"] = [
+        {"role": "system", "content": "first"},
+        {"role": "system", "content": "second"},
+        *doc["messages"],
+        {"role": "user", "content": "last"},
+    ]
+    assert json.loads(prepared.body) == expected
+    assert prepared.body.startswith(raw[: raw.index(b"[") + 1])  # the rest as received, not re-serialized
+    assert ("x-injected", "1") in prepared.headers
+
+
+async def test_a_preparer_that_reads_the_body_gets_the_parse_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Existing preparers keep working: the parse is built (charged) before the first that may read it,
+    with what earlier ``without_parse`` preparers added."""
+    from asgi_lifetime.gateway import without_parse
+
+    parses = spy_parse(monkeypatch)
+    charged: list[int] = []
+
+    @without_parse
+    def inject(draft: Draft) -> None:
+        assert draft.conversation is not None
+        draft.conversation.prepend({"role": "system", "content": "policy"})
+
+    def route(draft: Draft) -> None:
+        assert draft.body["messages"][0] == {"role": "system", "content": "policy"}
+        draft.body["model"] = "other"
+        draft.mark_changed()
+
+    prepared = await run([inject, route], raw=LARGE, parsed=deferred(LARGE, charged))
+    assert parses == [LARGE] and charged and charged[-1] > len(LARGE)  # the parse was charged
+    assert prepared.body is not None
+    body = json.loads(prepared.body)
+    assert body["model"] == "other" and body["messages"][0]["content"] == "policy"
+    assert len(body["messages"]) == 41
+
+
+async def test_without_parse_reading_the_body_is_an_error() -> None:
+    from asgi_lifetime.gateway import without_parse
+
+    @without_parse
+    def liar(draft: Draft) -> None:
+        draft.body["model"] = "x"
+
+    with pytest.raises(RuntimeError, match="without_parse"):
+        await run([liar], raw=LARGE, parsed=deferred(LARGE))
+
+
+async def test_the_conversation_view_of_a_parsed_body_changes_the_parse() -> None:
+    def inject(draft: Draft) -> None:
+        assert draft.conversation is not None
+        draft.conversation.prepend({"role": "system", "content": "policy"})
+
+    prepared = await run([inject])
+    assert prepared.body is not None
+    assert json.loads(prepared.body)["messages"] == [
+        {"role": "system", "content": "policy"},
+        {"role": "user", "content": "hi"},
+    ]
+
+
+async def test_a_custom_refold_factory_gets_the_deferred_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    parses = spy_parse(monkeypatch)
+    seen: list[Conversation] = []
+
+    def factory(conversation: Conversation) -> Refold:
+        seen.append(conversation)
+        return lambda window: None
+
+    prepared = await prepare(
+        LARGE,
+        deferred(LARGE),
+        preparers=[],
+        fingerprint=fingerprint(LARGE),
+        session_id=None,
+        method="POST",
+        path="/v1/chat/completions",
+        headers=HEADERS,
+        resources=RequestResources(Counters()),
+        refold_factory=factory,
+    )
+    assert parses == [LARGE] and prepared.body is LARGE
+    assert seen and seen[0].key == "messages" and len(seen[0].items) == 40
