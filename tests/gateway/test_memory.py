@@ -18,9 +18,22 @@ from asgi_lifetime.gateway import _memory, create_app
 from asgi_lifetime.gateway._prepare import Draft, prepare
 
 
-def test_small_requests_are_not_trimmed() -> None:
-    assert _memory.trim_after_large_request(_memory.TRIM_THRESHOLD - 1, enabled=True) is False
+def test_small_requests_are_trimmed_once_they_add_up_to_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_trims(monkeypatch)
+    monkeypatch.setattr(_memory, "_settled", 0)
+    quarter = _memory.TRIM_THRESHOLD // 4
+    assert [_memory.trim_after_large_request(quarter, enabled=True) for _ in range(8)] == [
+        False,
+        False,
+        False,
+        True,
+    ] * 2
+    assert calls == [0, 0]
     assert _memory.trim_after_large_request(0, enabled=True) is False
+    # A disabled trim counts nothing: enabling it later does not trim for what settled meanwhile.
+    assert _memory.trim_after_large_request(_memory.TRIM_THRESHOLD, enabled=False) is False
+    assert _memory.trim_after_large_request(quarter, enabled=True) is False
+    assert calls == [0, 0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
