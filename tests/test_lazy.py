@@ -72,7 +72,7 @@ def _unique_compact(doc: Any) -> bool:
     except (TypeError, UnicodeEncodeError, OverflowError):
         return False
     try:
-        return msgspec.json.decode(raw) == doc
+        return bool(msgspec.json.decode(raw) == doc)
     except msgspec.DecodeError:
         return False
 

@@ -278,7 +278,7 @@ def spy_parse(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     from asgi_lifetime import _lazy
 
     parses: list[bytes] = []
-    real = _lazy.parse_body
+    real = _lazy.parse_body  # type: ignore[attr-defined]  # patched where it is looked up
 
     async def counting(raw: bytes, **kwargs: Any) -> Any:
         parses.append(raw)

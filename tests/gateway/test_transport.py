@@ -66,6 +66,16 @@ MISBEHAVIOURS: dict[str, tuple[str, bytes, int]] = {
 }
 
 
+def _setting(event: threading.Event) -> Any:
+    """A script step that sets ``event`` and sends nothing."""
+
+    def step() -> bytes:
+        event.set()
+        return b""
+
+    return step
+
+
 def script(first: bytes) -> Any:
     def answer(request: RawRequest) -> Script:
         if request.target.startswith("/v1/first"):
@@ -134,7 +144,7 @@ async def test_leftovers_arriving_while_the_connection_is_idle_close_it(case: st
 
     def answer(request: RawRequest) -> Script:
         if request.target.startswith("/v1/first"):
-            return [ended, leftovers, lambda: written.set() or b""]
+            return [ended, leftovers, _setting(written)]
         return [response(200, SECOND, headers=(("content-type", "application/json"),))]
 
     with raw_upstream(answer) as upstream, running(upstream_url=upstream.url, upstream_transport=transport) as stack:

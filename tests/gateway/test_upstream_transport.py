@@ -288,7 +288,7 @@ async def test_auto_uses_aiohttp_on_asyncio_and_httpcore_on_trio(
                 async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as client:
                     answer = await client.post("/v1/chat/completions", json={"model": "m", "messages": []})
                 assert answer.status_code == 200 and answer.content == body
-                if expected == "aiohttp":  # the request did go through aiohttp's pool
+                if isinstance(chosen, AiohttpTransport):  # the request did go through aiohttp's pool
                     assert chosen._session is not None and chosen._fallback is None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # no warning for falling back
 

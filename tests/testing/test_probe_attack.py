@@ -37,6 +37,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from asgi_lifetime.testing import ProbeError, chat_completion_body, probe_retention
@@ -88,6 +89,13 @@ class Text(str):
     """A str subclass."""
 
     __slots__ = ()
+
+
+def _endpoint(app: Starlette) -> Any:
+    """The endpoint of the app's first route (a Starlette ``Route``)."""
+    route = app.routes[0]
+    assert isinstance(route, Route)
+    return route.endpoint
 
 
 @functools.lru_cache(maxsize=8)
@@ -467,20 +475,20 @@ class PassThrough(BaseHTTPMiddleware):
         pytest.param(apps.well_behaved, {}, id="starlette-streaming-response"),
         pytest.param(
             lambda: starlette_app(
-                apps.well_behaved().routes[0].endpoint, middleware=[Middleware(GZipMiddleware, minimum_size=1)]
+                _endpoint(apps.well_behaved()), middleware=[Middleware(GZipMiddleware, minimum_size=1)]
             ),
             {"accept-encoding": "gzip"},
             id="gzip-middleware",
         ),
         pytest.param(
             lambda: starlette_app(
-                apps.well_behaved().routes[0].endpoint, middleware=[Middleware(CORSMiddleware, allow_origins=["*"])]
+                _endpoint(apps.well_behaved()), middleware=[Middleware(CORSMiddleware, allow_origins=["*"])]
             ),
             {"origin": "http://example.com"},
             id="cors-middleware",
         ),
         pytest.param(
-            lambda: starlette_app(apps.well_behaved().routes[0].endpoint, middleware=[Middleware(PassThrough)]),
+            lambda: starlette_app(_endpoint(apps.well_behaved()), middleware=[Middleware(PassThrough)]),
             {},
             id="base-http-middleware-not-reading",
         ),
@@ -502,7 +510,7 @@ class ReadsInDispatch(BaseHTTPMiddleware):
 async def test_base_http_middleware_that_reads_the_body_keeps_it_for_the_response(anyio_backend: str) -> None:
     # Starlette's BaseHTTPMiddleware caches what its dispatch read on its request (to replay it to
     # the app), and that request lives until the response ends.
-    app = starlette_app(apps.well_behaved().routes[0].endpoint, middleware=[Middleware(ReadsInDispatch)])
+    app = starlette_app(_endpoint(apps.well_behaved()), middleware=[Middleware(ReadsInDispatch)])
     report = await probe_retention(app)
     assert "BaseHTTPMiddleware.__call__ local 'request' → _CachedRequest._body: bytes" in str(report), str(report)
 
