@@ -511,7 +511,7 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
     table = oh["table"]
     for c in sorted({r["concurrency"] for r in table.values()}):
         direct = table[f"direct@{c}"]
-        for key in ("direct", "bare", "ordinary", "gw_on", "gw_ka8"):
+        for key in ("direct", "bare", "ordinary", "gw_on", "gw_httpcore", "gw_ka8"):
             if f"{key}@{c}" not in table:
                 continue
             r = table[f"{key}@{c}"]
@@ -533,7 +533,11 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
     add("Where the gateway's time goes:")
     add("")
     add(
-        "- **The upstream connection pool (most of the gap at c=32).** httpx's pool (httpcore 1.0.9) re-scans "
+        "- **The upstream transport.** The gateway sends over aiohttp on asyncio (`UPSTREAM_TRANSPORT=auto`, "
+        "the default; its own transport under httpx's API); the *httpcore transport* row is the same gateway "
+        "over httpx's own transport, as before, and the diagnosis row caps that transport's keep-alive pool. "
+        "The ordinary proxy uses httpx's own transport, as users write it.\n"
+        "- **httpcore's connection pool (the httpcore rows' gap at c=32).** httpx's pool (httpcore 1.0.9) re-scans "
         "every pooled connection several times per request, with a `poll()` per idle socket and an O(n^2) "
         "keep-alive check (encode/httpcore#1035; rewritten in the pydantic/httpx2 fork, #974, #1075, #1169). "
         "The gateway keeps up to `MAX_INFLIGHT` (64) upstream connections alive, so at 32 concurrent requests "
@@ -907,7 +911,10 @@ def _sessions(results: dict[str, Any], add: Any) -> None:
         f"request; medians over the slices. Ratios to `{base}`: the median of the per-slice ratios (each slice "
         "runs the targets one after the other, so a slice's ratio compares like with like on a shared "
         "machine). Reproduce with "
-        "`.venv/bin/python -m benchmarks.run --only sessions --before DIR`."
+        "`.venv/bin/python -m benchmarks.run --only sessions --before DIR`. The question is whether the "
+        "single-process default got slower; this checkout differs from `before` in more than the fleet work "
+        "(the upstream transport, the server, the lazy look), so a lower ratio is not what sharing costs: "
+        "the `redis` row against `memory` is."
     )
     add("")
     add("| concurrency | target | CPU per request | ratio | requests/s | ratio | errors |")
