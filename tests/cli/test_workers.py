@@ -66,7 +66,8 @@ def test_stats_report_every_worker_and_a_killed_worker_leaves_them(tmp_path: Pat
                     (owner,) = owners
                     assert all(a["process"]["pid"] in pids for a in answers)
                     assert all(a["upstreams"][0]["inflight"] == 1 for a in answers)  # summed per upstream too
-                    assert metric(gateway, "inflight_requests") == 1  # /metrics agrees
+                    # /metrics agrees, once the holder's sync thread (every second) has written its gauges.
+                    eventually(lambda: metric(gateway, "inflight_requests") == 1, seconds=10, what="/metrics: 1")
 
                     os.kill(owner, signal.SIGKILL)
 
@@ -90,7 +91,7 @@ def test_stats_report_every_worker_and_a_killed_worker_leaves_them(tmp_path: Pat
                 return len(listed) == 2 and owner not in listed and bool(listed & pids)
 
             eventually(replaced, seconds=30, what="a replacement worker listed")
-            assert metric(gateway, "inflight_requests") == 0
+            eventually(lambda: metric(gateway, "inflight_requests") == 0, seconds=10, what="/metrics: 0")
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
