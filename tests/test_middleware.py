@@ -30,10 +30,12 @@ from asgi_lifetime import (
     RequestLifetime,
     fingerprint,
 )
+from asgi_lifetime._stats import GAUGES
+
+from ._spy import spy_parse
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 CHAT_BYTES = json.dumps(CHAT).encode()
-GAUGES = ("inflight_requests", "inflight_bytes", "retained_input_bytes", "live_resources", "pinned_sessions")
 
 
 def settings(**changes: Any) -> LifetimeSettings:
@@ -688,14 +690,7 @@ async def test_a_large_body_gets_the_full_parse_verdict_without_the_parse(
     from asgi_lifetime._fingerprint import fingerprint
 
     raw = LARGE_VARIANTS[name]
-    parses: list[bytes] = []
-    real = _middleware.parse_body  # type: ignore[attr-defined]  # patched where it is looked up
-
-    async def counting(body: bytes, **kwargs: Any) -> Any:
-        parses.append(body)
-        return await real(body, **kwargs)
-
-    monkeypatch.setattr(_middleware, "parse_body", counting)
+    parses = spy_parse(monkeypatch, _middleware)
     seen: list[Any] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:

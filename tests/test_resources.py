@@ -10,7 +10,7 @@ import pytest
 
 from asgi_lifetime import _resources
 from asgi_lifetime._resources import RequestResources
-from asgi_lifetime._stats import Counters, LifetimeStats
+from asgi_lifetime._stats import GAUGES, Counters, LifetimeStats
 
 anyio_mark = pytest.mark.anyio
 
@@ -266,15 +266,6 @@ async def test_exception_in_body_still_releases() -> None:
 # ---------------------------------------------------------------------------------------------
 # LifetimeStats
 
-GAUGES = [
-    "inflight_requests",
-    "inflight_bytes",
-    "queued_requests",
-    "retained_input_bytes",
-    "live_resources",
-    "pinned_sessions",
-    "retained_disk_bytes",
-]
 TOTALS = [f.name for f in dataclasses.fields(LifetimeStats) if f.name not in GAUGES]
 
 

@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
+from asgi_lifetime._stats import GAUGES
 from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime.testing._upstream import create_demo_upstream
 from tests._gateways import Gateway, eventually, gateway_process
 
-GAUGES = ("inflight_requests", "inflight_bytes", "retained_input_bytes", "live_resources", "pinned_sessions")
 # A stream that lasts minutes unless cut: 1000 tokens at 2 per second.
 LONG_STREAM = {"model": "demo", "stream": True, "max_tokens": 1000, "messages": [{"role": "user", "content": "hold"}]}
 

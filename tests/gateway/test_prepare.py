@@ -14,6 +14,8 @@ from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway._prepare import Draft, Prepared, Preparer, prepare
 from asgi_lifetime.gateway._refold import Conversation, Refold
 
+from .._spy import spy_parse as spy_on
+
 pytestmark = pytest.mark.anyio
 
 RAW = b'{"model": "gpt-4.1", "messages": [{"role": "user", "content": "hi"}]}'
@@ -277,15 +279,7 @@ def spy_parse(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     """Count full parses (``_parse.parse_body``, what ``DeferredParse.parse`` runs)."""
     from asgi_lifetime import _lazy
 
-    parses: list[bytes] = []
-    real = _lazy.parse_body  # type: ignore[attr-defined]  # patched where it is looked up
-
-    async def counting(raw: bytes, **kwargs: Any) -> Any:
-        parses.append(raw)
-        return await real(raw, **kwargs)
-
-    monkeypatch.setattr(_lazy, "parse_body", counting)
-    return parses
+    return spy_on(monkeypatch, _lazy)
 
 
 async def test_deferred_without_preparers_is_forwarded_unparsed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,9 +13,10 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from asgi_lifetime._settings import LifetimeSettings
+from asgi_lifetime._stats import GAUGES
 from asgi_lifetime.gateway._auth import REDACTED, GatewayAuth, KeyScrubber
 
-from ..reliability.test_faults import GAUGES, PATH, Stack, busy_connections, eventually, running
+from ..reliability.test_faults import PATH, Stack, busy_connections, eventually, running
 from ._raw_upstream import RawRequest, Script, raw_upstream, response
 
 KEY = "sk-upstream-SECRET/0123+456789"  # '/' and '+' so its JSON and percent spellings differ

@@ -65,15 +65,6 @@ FAST: dict[str, Any] = {
 PATH = "/v1/chat/completions"
 CHAT: dict[str, Any] = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 STREAM: dict[str, Any] = {**CHAT, "stream": True}
-GAUGES = (
-    "inflight_requests",
-    "inflight_bytes",
-    "queued_requests",
-    "retained_input_bytes",
-    "live_resources",
-    "pinned_sessions",
-    "retained_disk_bytes",
-)
 IDLE_TIMEOUT = 3.0
 HTTP_PARSERS = ("h11", "httptools")
 """uvicorn's two HTTP/1.1 implementations (``serve={"http": ...}``): the hostile-input and framing
