@@ -23,7 +23,8 @@ have checked, whitespace between tokens, a key spelled with escapes).
 Memory: the raw views of the levels being walked and one decoded piece: at most one
 value per comma of the body (``_COMMA_COST`` each), and the piece's strings. ``lazy_cost`` bounds both before
 anything is decoded; a body whose bound exceeds ``LAZY_RATIO`` times its size is left to
-the full parse and its own bound (``_parse.parse_body``: 413 ``body_too_complex``).
+the full parse and its own bound (``_parse.parse_body``: over it, the middleware forwards the
+body unparsed and not comparable, unless the app asked for the parse: 413 ``body_too_complex``).
 """
 
 from __future__ import annotations

@@ -19,12 +19,13 @@ from ._exceptions import (
     BodyAborted,
     BodyIdleTimeout,
     BodyTimeout,
+    BodyTooComplex,
     BodyTooLarge,
     LifetimeError,
     MalformedBody,
 )
 from ._fingerprint import Fingerprint, fingerprint
-from ._lazy import DeferredParse, inspect_body
+from ._lazy import DeferredParse, Shape, inspect_body
 from ._parse import offload, parse_body
 from ._resources import RequestResources, Resource
 from ._settings import LifetimeSettings
@@ -180,9 +181,11 @@ class LifetimeMiddleware:
     mapping) if set, else the environment (``ASGI_LIFETIME_*`` and ``.env``). Requests outside
     ``PATHS`` and non-HTTP scopes pass through untouched. The admission slot and byte budget
     come back on every settlement path. ``handoff_parsed=True`` keeps the first parse for the
-    inner app to ``take_parsed()``. Otherwise a large JSON body is not parsed at all when the
-    lazy walk (``_lazy``) can tell its verdict; with ``handoff_parsed="on_demand"`` (the gateway)
-    ``take_parsed()`` then hands over a ``DeferredParse`` instead of the parse.
+    inner app to ``take_parsed()`` (413 ``body_too_complex`` when it would cost too much).
+    Otherwise a large JSON body is not parsed at all when the lazy walk (``_lazy``) can tell
+    its verdict, nor when its parse would cost too much (then it is not text comparable); with
+    ``handoff_parsed="on_demand"`` (the gateway) ``take_parsed()`` then hands over a
+    ``DeferredParse`` instead of the parse.
     """
 
     def __init__(
@@ -420,6 +423,15 @@ async def _first_look(raw: bytes, ticket: Ticket, handoff: bool | Literal["on_de
         return await parse_body(raw, charge=ticket.grow_to), None
     except _json.JSONDecodeFailure:
         return _NOT_PARSED, None
+    except BodyTooComplex:
+        if handoff is True:  # the app wants the parse: it cannot have it
+            raise
+        # Valid JSON whose parse would cost too much (token-id arrays: 9x), and nobody asked for it:
+        # it goes on as received, judged not comparable as a body that is not JSON is. Whoever
+        # needs the parse after all gets this 413 then (``DeferredParse.parse``).
+        ticket.shrink_to(len(raw))
+        unparsed = DeferredParse(Shape(text_comparable=False, conversation=None), ticket.grow_to)
+        return (unparsed if handoff == "on_demand" else _NOT_PARSED), False
 
 
 def _count(counters: Counters, exc: LifetimeError) -> None:

@@ -25,6 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from asgi_lifetime import (
     Fingerprint,
+    Lifetime,
     LifetimeMiddleware,
     LifetimeSettings,
     RequestLifetime,
@@ -708,10 +709,17 @@ async def test_a_large_body_gets_the_full_parse_verdict_without_the_parse(
     await middleware(http_scope(), receiving([{"type": "http.request", "body": raw}]), out)
     lazy = name in ("plain", "image part")
     assert parses == ([] if lazy else [raw])
-    if not seen:  # refused by the full parse's bound, as before (a lone surrogate: 4 bytes per character)
-        assert name == "lone surrogate escape" and out.messages[0]["status"] == 413
-        return
     taken, fp = seen
+    if name == "lone surrogate escape":
+        # Over the full parse's bound (4 bytes per character): served unparsed, and since only the
+        # parse could tell, not comparable (as a body that is not JSON).
+        assert out.messages[0]["status"] == 204 and not fp.text_comparable
+        assert fp.wire_hash == fingerprint(raw).wire_hash
+        if handoff == "on_demand":
+            from asgi_lifetime._lazy import DeferredParse
+
+            assert isinstance(taken, DeferredParse) and taken.conversation is None
+        return
     assert fp == fingerprint(raw)  # the full parse's verdict (fingerprint parses raw itself)
     if handoff == "on_demand":
         from asgi_lifetime._lazy import DeferredParse
@@ -726,3 +734,34 @@ async def test_a_large_body_gets_the_full_parse_verdict_without_the_parse(
     else:
         assert taken is None
     assert middleware.stats().idle
+
+
+MILLION_EMPTY = b'{"model":"m","messages":[' + b",".join([b"{}"] * 1_000_000) + b"]}"  # a 70 MiB parse
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("handoff", [False, "on_demand", True])
+async def test_a_body_too_costly_to_parse_is_refused_only_when_the_app_wants_the_parse(
+    handoff: bool | Literal["on_demand"],
+) -> None:
+    """Nobody asked for the parse: the app gets the body, not comparable (only the parse could
+    tell). ``handoff_parsed=True``: the app would get the parse, which the bound refuses: 413."""
+    seen: list[Any] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        lifetime: RequestLifetime = scope["state"]["lifetime"]
+        seen.append((await receive())["body"])
+        seen.append(lifetime.fingerprint.text_comparable)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    lifetime = Lifetime(settings())
+    middleware = LifetimeMiddleware(app, lifetime=lifetime, handoff_parsed=handoff)
+    out = Recorder()
+    await middleware(http_scope(), receiving([{"type": "http.request", "body": MILLION_EMPTY}]), out)
+    if handoff is True:
+        assert out.messages[0]["status"] == 413 and b"body_too_complex" in out.messages[1]["body"]
+        assert seen == []
+    else:
+        assert out.messages[0]["status"] == 204 and seen == [MILLION_EMPTY, False]
+    assert lifetime.stats().idle

@@ -3,8 +3,9 @@
 The gateway runs under uvicorn on a loopback port in front of a recording upstream on
 another. Covered here:
 
-- a body whose parse would multiply it (a million empty messages) is a 413 ``body_too_complex``
-  and nothing is forwarded; its parse is charged to admission before it runs;
+- a body whose parse would multiply it (a million empty messages) is forwarded unparsed when no
+  preparer reads it, and is a 413 ``body_too_complex`` with nothing forwarded when one does; a
+  parse is charged to admission before it runs;
 - while a large parse runs (made to block, deterministically), other requests are served;
 - bodies the standard library parses (lone surrogate escapes, ``NaN``, ``Infinity``, huge
   numbers) survive a refold after a context overflow, a role remap and a changing preparer:
@@ -35,6 +36,7 @@ from asgi_lifetime.gateway._prepare import Draft, Preparer
 from asgi_lifetime.testing._serve import serve_in_thread
 from benchmarks.bodies import make_body
 
+from .._spy import spy_parse
 from ..reliability.test_faults import FAST, PATH, assert_idle, error_code
 
 pytestmark = pytest.mark.anyio
@@ -84,12 +86,19 @@ JSON = {"content-type": "application/json"}
 # --- parse amplification ---------------------------------------------------------------------------
 
 
-async def test_a_million_empty_messages_are_refused_before_parsing_and_nothing_is_forwarded() -> None:
-    raw = b'{"model":"m","messages":[' + b",".join([b"{}"] * 1_000_000) + b"]}"  # 2.9 MiB, a 70 MiB parse
+MILLION_EMPTY = b'{"model":"m","messages":[' + b",".join([b"{}"] * 1_000_000) + b"]}"  # 2.9 MiB, a 70 MiB parse
+
+
+def reads_the_body(draft: Draft) -> None:
+    """A preparer that needs the parse (it is not declared ``without_parse``)."""
+    assert isinstance(draft.body, dict)
+
+
+async def test_a_million_empty_messages_are_refused_before_parsing_when_a_preparer_reads_them() -> None:
     upstream = Recorder()
-    with gateway(upstream) as (url, app):
+    with gateway(upstream, preparers=[reads_the_body]) as (url, app):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            response = await client.post(PATH, content=raw, headers=JSON)
+            response = await client.post(PATH, content=MILLION_EMPTY, headers=JSON)
             assert response.status_code == 413 and error_code(response) == "body_too_complex"
             assert response.json()["error"]["type"] == "invalid_request_error"
             # An ordinary request still goes through.
@@ -97,6 +106,25 @@ async def test_a_million_empty_messages_are_refused_before_parsing_and_nothing_i
         assert len(upstream.bodies) == 1
         stats = await assert_idle(app, url)
         assert stats["too_large"] == 1
+
+
+async def test_a_body_too_costly_to_parse_is_forwarded_unparsed_when_nothing_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nobody needs the parse: the body goes on as received (the upstream judges it), nothing
+    parses it, and it is charged its size only (the ticket gave back the estimate's charge)."""
+    from asgi_lifetime import _middleware
+
+    parses = spy_parse(monkeypatch, _middleware)
+    upstream = Recorder()
+    with gateway(upstream) as (url, app):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            response = await client.post(PATH, content=MILLION_EMPTY, headers=JSON)
+            assert response.status_code == 200, response.text
+        assert upstream.bodies == [MILLION_EMPTY]
+        assert parses == [MILLION_EMPTY]  # asked once, refused by the estimate before any parse
+        stats = await assert_idle(app, url)
+        assert stats["too_large"] == 0
 
 
 @pytest.mark.parametrize("shape", ["turns", "huge_text", "image"])

@@ -7,6 +7,7 @@ front of ``tests.sdk_upstream`` or a purpose-built upstream on another loopback 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -350,23 +351,24 @@ def test_upstream_saying_do_not_retry_is_not_retried(status: int) -> None:
 
 
 class _EchoSize:
-    """An upstream that answers an embeddings / completions call and records each body's size."""
+    """An upstream that answers an embeddings / completions call and records each body."""
 
     def __init__(self) -> None:
-        self.sizes: list[int] = []
+        self.bodies: list[bytes] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        size = 0
+        chunks = []
         while True:
             message = await receive()
-            size += len(message.get("body", b""))
+            chunks.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
-        self.sizes.append(size)
+        self.bodies.append(b"".join(chunks))
         if scope["path"].endswith("/embeddings"):
-            body = b'{"object":"list","data":[],"model":"e","usage":{"prompt_tokens":1,"total_tokens":1}}'
+            data = b'{"object":"embedding","index":0,"embedding":[0.5]}'
+            body = b'{"object":"list","data":[' + data + b'],"model":"e","usage":{"prompt_tokens":1,"total_tokens":1}}'
         else:
             body = b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":[]}'
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
@@ -379,23 +381,22 @@ def _tokens() -> list[list[int]]:
     return [[100 + (i * 7919 + j * 104729) % 900 for j in range(8000)] for i in range(62)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_parse.py/_middleware.py: a token-id array (embeddings input, completions prompt) is estimated at "
-    "over PARSE_RATIO and refused with 413 body_too_complex; forwarding it unparsed (when no preparer needs "
-    "the parse) would serve it at 1x",
-)
 @pytest.mark.parametrize("endpoint", ["embeddings", "completions"])
 def test_token_id_inputs_are_served(endpoint: str) -> None:
     upstream = _EchoSize()
     with _gateway_before(upstream) as served:
         client = served.openai(max_retries=0)
         tokens = _tokens()
+        sent: list[Any]
         if endpoint == "embeddings":
-            client.embeddings.create(model="text-embedding-3-small", input=tokens)
+            result = client.embeddings.create(model="text-embedding-3-small", input=tokens, encoding_format="float")
+            assert result.data[0].embedding == [0.5]
+            key, sent = "input", tokens
         else:
             client.completions.create(model="davinci-002", prompt=tokens[0] * 62, max_tokens=1)
-        assert len(upstream.sizes) == 1 and upstream.sizes[0] > 1024 * 1024
+            key, sent = "prompt", tokens[0] * 62
+        (body,) = upstream.bodies
+        assert len(body) > 1024 * 1024 and json.loads(body)[key] == sent  # forwarded as sent
         served.wait_idle()
 
 
