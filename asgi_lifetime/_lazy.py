@@ -87,12 +87,15 @@ class DeferredParse:
     It holds no part of the body: the caller passes the body to ``parse``.
     """
 
-    __slots__ = ("conversation", "span", "_charge")
+    __slots__ = ("conversation", "span", "shaped", "_charge")
 
-    def __init__(self, found: Shape, charge: Callable[[int], Awaitable[None]]) -> None:
-        self.conversation = found.conversation
+    def __init__(self, found: Shape | None, charge: Callable[[int], Awaitable[None]]) -> None:
+        self.shaped = found is not None
+        """False for a body nobody looked into (its parse would cost too much): whether it has a
+        conversation is unknown, and ``parse`` refuses it (413)."""
+        self.conversation = found.conversation if found is not None else None
         """``Shape.conversation``: the key of the conversation array, if any."""
-        self.span = found.span
+        self.span = found.span if found is not None else None
         """``Shape.span``: where that array is in the body."""
         self._charge = charge
 

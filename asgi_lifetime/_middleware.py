@@ -25,7 +25,7 @@ from ._exceptions import (
     MalformedBody,
 )
 from ._fingerprint import Fingerprint, fingerprint
-from ._lazy import DeferredParse, Shape, inspect_body
+from ._lazy import DeferredParse, inspect_body
 from ._parse import offload, parse_body
 from ._resources import RequestResources, Resource
 from ._settings import LifetimeSettings
@@ -430,8 +430,7 @@ async def _first_look(raw: bytes, ticket: Ticket, handoff: bool | Literal["on_de
         # it goes on as received, judged not comparable as a body that is not JSON is. Whoever
         # needs the parse after all gets this 413 then (``DeferredParse.parse``).
         ticket.shrink_to(len(raw))
-        unparsed = DeferredParse(Shape(text_comparable=False, conversation=None), ticket.grow_to)
-        return (unparsed if handoff == "on_demand" else _NOT_PARSED), False
+        return (DeferredParse(None, ticket.grow_to) if handoff == "on_demand" else _NOT_PARSED), False
 
 
 def _count(counters: Counters, exc: LifetimeError) -> None:

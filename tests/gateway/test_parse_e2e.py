@@ -32,7 +32,7 @@ from asgi_lifetime import _json
 from asgi_lifetime._parse import THREAD_THRESHOLD, parse_cost
 from asgi_lifetime._settings import LifetimeSettings, MiB
 from asgi_lifetime.gateway import create_app
-from asgi_lifetime.gateway._prepare import Draft, Preparer
+from asgi_lifetime.gateway._prepare import Draft, Preparer, without_parse
 from asgi_lifetime.testing._serve import serve_in_thread
 from benchmarks.bodies import make_body
 
@@ -106,6 +106,28 @@ async def test_a_million_empty_messages_are_refused_before_parsing_when_a_prepar
         assert len(upstream.bodies) == 1
         stats = await assert_idle(app, url)
         assert stats["too_large"] == 1
+
+
+@without_parse
+def policy(draft: Draft) -> None:
+    """A preparer that adds a system message without reading the body."""
+    if draft.conversation is not None:
+        draft.conversation.prepend({"role": "system", "content": "policy"})
+
+
+async def test_a_body_shaped_too_costly_does_not_slip_past_a_preparer_that_adds_a_message() -> None:
+    """Nobody looked into the body, so whether it has a conversation is unknown: a ``@without_parse``
+    preparer must not see "no conversation" and let the body through without its message."""
+    upstream = Recorder()
+    with gateway(upstream, preparers=[policy]) as (url, app):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            response = await client.post(PATH, content=MILLION_EMPTY, headers=JSON)
+            assert response.status_code == 413 and error_code(response) == "body_too_complex"
+            small = {"messages": [{"role": "user", "content": "hi"}]}
+            assert (await client.post(PATH, json=small)).status_code == 200
+        (forwarded,) = upstream.bodies
+        assert json.loads(forwarded)["messages"][0] == {"role": "system", "content": "policy"}
+        await assert_idle(app, url)
 
 
 async def test_a_body_too_costly_to_parse_is_forwarded_unparsed_when_nothing_reads_it(
