@@ -189,10 +189,22 @@ def _targets(results: dict[str, Any], add: Any) -> None:
                 (
                     f"RSS while streaming, retain disk <= 8 MiB above baseline "
                     f"({results['retain']['size'] / MiB:.0f} MiB many-turn text)",
-                    f"{disk['median_stream'] / MiB:.1f} MiB{compared}; section 7",
+                    f"{disk['median_stream'] / MiB:.1f} MiB{compared}; section 8",
                     disk["median_stream"] <= 8 * MiB,
                 )
             )
+        # Issue 12: the preparing peak with the lazy look (no full parse when nothing needs it).
+        for key, limit, what in (("gw_unchanged", 1.3, "body unchanged"), ("gw_disk", 2.0, "a message inserted")):
+            if key in medians:
+                peak = medians[key]["peak_prepare"]
+                rows.append(
+                    (
+                        f"peak while preparing <= {limit}x body, {what} "
+                        f"({results['retain']['size'] / MiB:.0f} MiB many-turn text)",
+                        f"{peak / MiB:.0f} MiB = {_x(peak, results['retain']['size'])}; section 8",
+                        peak <= limit * results["retain"]["size"],
+                    )
+                )
     if "agents" in results:
         rows += _agents_targets(results["agents"])
     if "steady" in results and "gw_on" in results["steady"]["runs"]:
@@ -210,12 +222,13 @@ def _targets(results: dict[str, Any], add: Any) -> None:
     if "ttfb" in results:
         t = {k: statistics.median(v) for k, v in results["ttfb"]["times"].items()}
         size = results["ttfb"]["size"]
-        for key in ("gw_on", "gw_unchanged"):
+        # Issue 12's targets (the first benchmarks' were 0.8x for both).
+        for key, limit in (("gw_on", 0.45), ("gw_unchanged", 0.3)):
             rows.append(
                 (
-                    f"TTFB <= 0.8x the ordinary proxy, {LABELS[key]} ({size / MiB:.0f} MiB, sink upstream)",
+                    f"TTFB <= {limit}x the ordinary proxy, {LABELS[key]} ({size / MiB:.0f} MiB, sink upstream)",
                     f"{t[key]:.3f} s vs {t['ordinary']:.3f} s = {t[key] / t['ordinary']:.2f}x",
-                    t[key] <= 0.8 * t["ordinary"],
+                    t[key] <= limit * t["ordinary"],
                 )
             )
     if "overhead" in results:
@@ -326,7 +339,12 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
                 f"{ordinary['cpu_per_request'] * 1000:.2f} ms CPU per request for the ordinary proxy (section 3)."
             )
         elif name.startswith("TTFB"):
-            lines.append(f"*{name}*: see section 4.")
+            t = {k: statistics.median(v) for k, v in results["ttfb"]["times"].items()}
+            lines.append(
+                f"*{name}*: the gateway reads and hashes the body, judges it (the lazy look: about twice the "
+                "time of a full msgspec parse of this body, for a fraction of its memory), prepares and sends it; "
+                f"the bare forwarder, which only reads and sends, is at {t['bare'] / t['ordinary']:.2f}x (section 4)."
+            )
         elif name.startswith("steady"):
             lines.append("*Steady state*: see section 2.")
         elif name.startswith("overload"):
@@ -601,8 +619,9 @@ def _ttfb(results: dict[str, Any], add: Any) -> None:
         )
     add("")
     add(
-        "The gateway parses once (msgspec, straight from the bytes), hashes while reading, serializes once "
-        "(msgspec) and sends an unchanged body as received (zero copy). The ordinary proxy joins the chunks, "
+        "The gateway hashes while reading and judges the body without the full parse when it can (the lazy "
+        "look, `_lazy.py`); an unchanged body is sent as received (zero copy); with retain memory its "
+        "preparer inserts a message, spliced into the received bytes. The ordinary proxy joins the chunks, "
         "decodes and parses with `json`, serializes with `json.dumps` and encodes."
     )
     add("")
@@ -849,7 +868,8 @@ def _retain(results: dict[str, Any], add: Any) -> None:
     add(
         f"`RETAIN_OUTBOUND` on the {size / MiB:.0f} MiB many-turn request: {retain['rounds']} "
         f"round{'s' if retain['rounds'] != 1 else ''}, the three "
-        "settings interleaved in each, one fresh gateway process per request; the demo upstream streams "
+        "settings interleaved in each (each gateway's preparer inserts a message; where measured, the body "
+        "forwarded unchanged beside them), one fresh gateway process per request; the demo upstream streams "
         f"{retain['stream_tokens']} tokens at {retain['tokens_per_second']:.0f} tokens/s. With `disk` (the "
         "default) the outbound body moves, once retries settle and while the answer already streams, to an "
         f"unlinked temporary file in `RETAIN_DIR`, here the system temp dir `{retain['temp_dir']}` "
@@ -868,7 +888,7 @@ def _retain(results: dict[str, Any], add: Any) -> None:
     add("")
     add("| gateway | median while streaming | peak while preparing | after | TTFB | bodies moved to disk |")
     add("|---|---|---|---|---|---|")
-    for key in ("gw_disk", "gw_on", "gw_off"):
+    for key in ("gw_disk", "gw_on", "gw_off", "gw_unchanged"):
         records = [r for r in retain["records"] if r["gateway"] == key]
         if not records:
             continue

@@ -291,6 +291,10 @@ async def bench_memory(mode: Mode, results: dict[str, Any]) -> None:
 # -- 7. the retained outbound body: disk, memory, off -----------------------------------------------------
 
 
+# The three settings with the demo preparer (it inserts a message), and the body forwarded unchanged.
+RETAIN_KEYS = ("gw_disk", "gw_on", "gw_off", "gw_unchanged")
+
+
 async def bench_retain(mode: Mode, results: dict[str, Any]) -> None:
     """RETAIN_OUTBOUND disk vs memory vs off on the many-turn target case: rounds interleaved, one fresh
     gateway process per request (RETAIN_DIR: the system temp dir)."""
@@ -300,7 +304,7 @@ async def bench_retain(mode: Mode, results: dict[str, Any]) -> None:
     date = time.strftime("%a %b %e %H:%M:%S UTC %Y", time.gmtime())  # as date(1) prints it
     with Server("demo", tokens_per_second=TOKENS_PER_SECOND) as upstream:
         for number in range(mode.retain_rounds):
-            for key in ("gw_disk", "gw_on", "gw_off"):
+            for key in RETAIN_KEYS:
                 record = await large_request_on(server_for(key, upstream.url), body, stats=True)
                 records.append({"gateway": key, "round": number, **record})
                 log(
