@@ -107,8 +107,10 @@ _BATCH: Final = 256
 # While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
 _RETRY_INTERVAL: Final = 1.0
 
-# The claim at admission. KEYS[1] the session's entry. ARGV: wire hash, TTL in ms, wall-clock admission.
-# Returns 1 if this call changed the synced hash (the request's record runs on_change), else 0. Awaited by
+# The claim at admission. KEYS[1] the session's entry. ARGV: wire hash, TTL in ms, wall-clock admission, the
+# request's claim token (the replica and its monotonic admission: unique in the fleet). Returns 1 if this call
+# changed the synced hash (the request's record runs on_change), else 0. 'claimer' names the request that
+# claimed the synced hash: an answer lost on the way back is asked for again (_RECLAIM). Awaited by
 # the request before it is forwarded: a session's next turn is admitted only after this one's answer was
 # sent, so the order in which Redis runs the claims is the order of the turns. 'admitted' (the newest
 # admission that asked) keeps a record decided at settle (one not claimed at admission) from claiming a
@@ -123,8 +125,29 @@ if synced == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 0
 end
-redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1])
+redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1], 'claimer', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# A claim whose answer never came (timeout, connection lost, garbage), asked again at the request's record.
+# KEYS[1] the session's entry. ARGV as _CLAIM's. Returns 1 if the request carries its session's change (its
+# record runs on_change), else 0. Idempotent: whether the lost call ran or not, the answer is the one it
+# would have had. Its claim still stands: 1. Another request holds this hash: 0 (that one runs it). Else the
+# change is this request's: claimed now if no newer request was admitted since, or (one was: it claimed its
+# own change after this one, whether or not this one's call ran first) run without moving the hash back.
+_RECLAIM: Final = """
+if redis.call('HGET', KEYS[1], 'claimer') == ARGV[4] then
+  return 1
+end
+if redis.call('HGET', KEYS[1], 'synced_hash') == ARGV[1] then
+  return 0
+end
+local admitted = redis.call('HGET', KEYS[1], 'admitted')
+if not admitted or tonumber(ARGV[3]) >= tonumber(admitted) then
+  redis.call('HSET', KEYS[1], 'admitted', ARGV[3], 'synced_hash', ARGV[1], 'claimer', ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
 return 1
 """
 
@@ -166,13 +189,14 @@ if synced == ARGV[1] then
   return {0, synced}
 end
 redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1])
+redis.call('HDEL', KEYS[1], 'claimer')
 return {1, ARGV[1]}
 """
 
 # on_change failed: give the claim back, unless another record changed it since.
 _UNCLAIM: Final = """
 if redis.call('HGET', KEYS[1], 'synced_hash') == ARGV[1] then
-  return redis.call('HDEL', KEYS[1], 'synced_hash')
+  return redis.call('HDEL', KEYS[1], 'synced_hash', 'claimer')
 end
 return 0
 """
@@ -252,18 +276,30 @@ class _Unclaim:
     wire_hash: str
 
 
-_Op = _Take | _Give | _Record | _Unclaim
+@dataclass(frozen=True, slots=True)
+class _Reclaim:
+    """A claim whose answer never came, asked again at the request's record (``_RECLAIM``)."""
+
+    session_id: str  # stays in this process (on_change gets it); Redis gets session_key's digest
+    fingerprint: Fingerprint
+    token: str
+    admitted: float
+    """Wall-clock admission of the request."""
+
+
+_Op = _Take | _Give | _Record | _Unclaim | _Reclaim
 _State = Literal["idle", "starting", "up", "down"]
 
 
 class _Conn:
     """The client and its scripts, for as long as ``run`` runs."""
 
-    __slots__ = ("client", "claim", "record", "unclaim", "renew", "live")
+    __slots__ = ("client", "claim", "reclaim", "record", "unclaim", "renew", "live")
 
     def __init__(self, client: Redis) -> None:
         self.client = client
         self.claim: AsyncScript = client.register_script(_CLAIM)
+        self.reclaim: AsyncScript = client.register_script(_RECLAIM)
         self.record: AsyncScript = client.register_script(_RECORD)
         self.unclaim: AsyncScript = client.register_script(_UNCLAIM)
         self.renew: AsyncScript = client.register_script(_RENEW)
@@ -429,8 +465,10 @@ class RedisSessionBook(SessionBook):
         """At admission: ask Redis whether this request carries its session's change (one script call).
 
         Bounded by ``timeout`` and shielded (a cancelled request still knows what it claimed, and its record
-        says so); past the bound or on an error the book falls back, and the request is ``"local"``: decided by
-        this process's memory at its record. ``started``: ``time.monotonic()`` at admission.
+        says so). Redis unusable already: ``"local"``, decided by this process's memory at the record. Past the
+        bound, on an error or on an answer that is not one: the book falls back, and the request is
+        ``"unsure"`` (the call may have run): its record asks again. ``started``: ``time.monotonic()`` at
+        admission, the ``Outcome``'s own (it names the request's claim: see ``_token``).
         """
         conn = self._conn
         if self._state != "up" or conn is None:
@@ -438,14 +476,20 @@ class RedisSessionBook(SessionBook):
                 self._warn_idle()
             return "local"
         admitted = started + time.time() - time.monotonic()  # wall clock: the fleet's hosts compare it
-        args: list[str | int] = [fingerprint.wire_hash, self._ttl_ms, repr(admitted)]
+        args: list[str | int] = [fingerprint.wire_hash, self._ttl_ms, repr(admitted), self._token(started)]
         try:
             with anyio.fail_after(self._timeout, shield=True):
                 answer: Any = await conn.claim(keys=[entry_key(session_key(session_id))], args=args)
-        except Exception as exc:  # whatever it is, the fleet did not decide: this process does
+            claimed = _flag(answer)
+        except Exception as exc:  # whatever it is, the fleet's answer did not reach us
             self._fall_back(_why(exc, self._timeout))
-            return "local"
-        return "claimed" if int(answer) else "synced"
+            return "unsure"
+        return "claimed" if claimed else "synced"
+
+    def _token(self, started: float) -> str:
+        """Names one request's claim in the fleet: this book (replica) and the request's monotonic admission,
+        which the claim and the record (``Outcome.started``) both have."""
+        return f"{self._replica}:{started!r}"
 
     def record(self, outcome: Outcome) -> None:
         session_id = outcome.session_id
@@ -458,13 +502,20 @@ class RedisSessionBook(SessionBook):
             self._sync(session_id, outcome.fingerprint, entry)
             return
         offset = time.time() - time.monotonic()  # monotonic -> wall clock, for the fleet's comparisons
-        op = _Record(session_id, outcome, outcome.started + offset, outcome.ended + offset, decides=claim is None)
+        admitted = outcome.started + offset
+        op = _Record(session_id, outcome, admitted, outcome.ended + offset, decides=claim is None)
         if claim is None:  # not claimed at admission (a caller of record alone): Redis decides now
             if not self._submit(op):
                 self.local_records += 1
                 self._sync(session_id, outcome.fingerprint, entry)
             return
         self._submit(op)  # the scalars only: the change was decided at admission (if dropped, Redis misses a count)
+        if claim == "unsure":  # the claim's answer was lost: ask again, or run it (at least once, never zero)
+            token = self._token(outcome.started)
+            if not self._submit(_Reclaim(session_id, outcome.fingerprint, token, admitted)):
+                self.local_records += 1
+                self._run_claimed(session_id, outcome.fingerprint, entry, claimed=True)
+            return
         self._run_claimed(session_id, outcome.fingerprint, entry, claimed=claim == "claimed")
 
     def _run_claimed(self, session_id: str, fp: Fingerprint, entry: SessionEntry, *, claimed: bool) -> None:
@@ -566,15 +617,19 @@ class RedisSessionBook(SessionBook):
                     for op in ops:
                         await self._queue_op(conn, pipe, op)
                     answers: list[Any] = await pipe.execute()
+            # Read every answer before acting on any: an answer that is not one is Redis failing, like no answer.
+            decisions = [_decision(op, answer) for op, answer in zip(ops, answers, strict=True)]
         except Exception as exc:  # whatever it is, Redis did not take the operations: settle them here
             self._fall_back(_why(exc, self._timeout))
             for op in ops:
                 self._settle_here(op)
             return
-        for op, answer in zip(ops, answers, strict=True):
-            if isinstance(op, _Record) and op.decides:
-                changed, synced = answer
-                await self._decided(conn, op, bool(changed), _text(synced) or None)
+        for op, decision in zip(ops, decisions, strict=True):
+            if isinstance(op, _Record) and op.decides and decision is not None:
+                changed, synced = decision
+                await self._decided(conn, op, changed, synced)
+            elif isinstance(op, _Reclaim) and decision is not None:
+                await self._reclaimed(conn, op, claimed=decision[0])
 
     async def _queue_op(self, conn: _Conn, pipe: Pipeline, op: _Op) -> None:
         """Add ``op`` to ``pipe`` (nothing is sent yet). A record's answer: {changed, synced hash or ''}."""
@@ -587,6 +642,10 @@ class RedisSessionBook(SessionBook):
             return
         if isinstance(op, _Unclaim):
             await conn.unclaim(keys=[entry_key(op.key)], args=[op.wire_hash], client=pipe)
+            return
+        if isinstance(op, _Reclaim):
+            again: list[str | int] = [op.fingerprint.wire_hash, self._ttl_ms, repr(op.admitted), op.token]
+            await conn.reclaim(keys=[entry_key(session_key(op.session_id))], args=again, client=pipe)
             return
         fp, outcome = op.outcome.fingerprint, op.outcome
         args: list[str | int] = [
@@ -617,23 +676,49 @@ class RedisSessionBook(SessionBook):
                     self._on_change(op.session_id, fp)
                 except Exception:
                     logger.exception("on_change failed; the session's next record runs it again")
-                    await self._unclaim(conn, op)
+                    await self._unclaim(conn, op.session_id, fp.wire_hash)
                     return
         if entry is not None and synced is not None:
             entry.synced_hash = synced  # the fleet has run on_change for it (here or elsewhere)
 
-    async def _unclaim(self, conn: _Conn, op: _Record) -> None:
-        key = entry_key(session_key(op.session_id))
+    async def _reclaimed(self, conn: _Conn, op: _Reclaim, *, claimed: bool) -> None:
+        """Redis answered a claim asked again: run ``on_change`` if the request carries its change."""
+        entry = self._entries.get(session_key(op.session_id))
+        if claimed:
+            self.recomputations += 1
+            if self._on_change is not None:
+                try:
+                    self._on_change(op.session_id, op.fingerprint)
+                except Exception:
+                    logger.exception("on_change failed; the session's next record runs it again")
+                    await self._unclaim(conn, op.session_id, op.fingerprint.wire_hash)
+                    return
+        if entry is not None:
+            entry.synced_hash = op.fingerprint.wire_hash  # the fleet has run on_change for it (here or elsewhere)
+
+    async def _unclaim(self, conn: _Conn, session_id: str, wire_hash: str) -> None:
+        key = entry_key(session_key(session_id))
         try:
             with anyio.fail_after(self._timeout):
-                await conn.unclaim(keys=[key], args=[op.outcome.fingerprint.wire_hash])
+                await conn.unclaim(keys=[key], args=[wire_hash])
         except Exception as exc:
             self._fall_back(_why(exc, self._timeout))
 
     def _settle_here(self, op: _Op) -> None:
         """An operation Redis did not take. A lease: the renewals restore it (or it runs out). A record:
         decided by the in-memory book, as the request would have had Redis been unused (unless it was
-        decided at admission). A claim to give back: kept (the next record of that hash does not run it)."""
+        decided at admission). A claim to give back: kept (the next record of that hash does not run it).
+        A claim asked again: run (its first call may have claimed the change: at least once, never zero)."""
+        if isinstance(op, _Reclaim):
+            self.local_records += 1
+            entry = self._entries.get(session_key(op.session_id))
+            if entry is None:
+                entry = SessionEntry(op.fingerprint.wire_hash, op.fingerprint.text_comparable, op.fingerprint.size)
+            try:
+                self._run_claimed(op.session_id, op.fingerprint, entry, claimed=True)
+            except Exception:
+                logger.exception("on_change failed; the session's next record runs it again")
+            return
         if not isinstance(op, _Record) or not op.decides:
             return
         self.local_records += 1
@@ -689,7 +774,7 @@ class RedisSessionBook(SessionBook):
         self._state = "up"
 
     def _fall_back(self, why: str) -> None:
-        if self._state == "down":
+        if self._state in ("down", "idle"):  # idle: a claim that failed after run ended; a new run starts afresh
             return
         self._state = "down"
         self.fallbacks += 1
@@ -755,6 +840,25 @@ class RedisSessionBook(SessionBook):
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _flag(answer: Any) -> bool:
+    """A claim's answer: 1 or 0, else ``ValueError`` (not Redis, a proxy's garbage: as good as no answer)."""
+    if isinstance(answer, int) and not isinstance(answer, bool) and answer in (0, 1):
+        return answer == 1
+    raise ValueError(f"unexpected answer from the session store: {type(answer).__name__}")
+
+
+def _decision(op: _Op, answer: Any) -> tuple[bool, str | None] | None:
+    """What Redis decided for ``op`` (a deciding record: changed and the synced hash; a claim asked again:
+    claimed), ``None`` for the others; ``ValueError`` for an answer that is not one."""
+    if isinstance(op, _Reclaim):
+        return _flag(answer), None
+    if not isinstance(op, _Record) or not op.decides:
+        return None
+    if not isinstance(answer, list) or len(answer) != 2 or not isinstance(answer[1], (bytes, str)):
+        raise ValueError(f"unexpected answer from the session store: {type(answer).__name__}")
+    return _flag(answer[0]), _text(answer[1]) or None
 
 
 def _connect(url: str, timeout: float) -> Redis:

@@ -1,0 +1,269 @@
+"""Attacks on the fleet's claim at admission (``SESSION_STORE=redis://``): Redis losing the claim's
+answer, answering garbage, dying between claim and record; requests cancelled around the claim; the
+fleet against the single-process book on the same sequence of requests.
+
+Replicas are gateway apps in this process (each with its lifespan, so its book's task) sharing one
+real ``redis-server`` (``tests/_servers.py``); hostile peers are raw TCP servers on 127.0.0.1. redis-py's
+client runs on asyncio only: the Redis-backed cases run there (see ``test_session_store.py`` for trio).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import httpx
+import pytest
+import respx
+
+from asgi_lifetime._fingerprint import wire_hash
+from asgi_lifetime.gateway import RedisSessionBook, _session_store
+
+from .._servers import RedisServer, redis_server
+from ..reliability.test_faults import PATH
+from .test_session_store import (
+    ASYNCIO,
+    OK,
+    UPSTREAM,
+    WAIT,
+    Changes,
+    book,
+    outcome,
+    replica,
+    settled,
+    started,
+    turn,
+    until,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with redis_server() as running_server:
+        yield running_server
+
+
+def hashes_of(changes: Changes) -> list[str]:
+    """The wire hashes ``on_change`` ran for, in the order it ran."""
+    return [h for _, _, h in changes.calls]
+
+
+def body_hash(body: dict[str, Any]) -> str:
+    """The wire hash the gateway takes of ``body`` as httpx sends it (``json=``)."""
+    return wire_hash(httpx.Request("POST", "http://x", json=body).read())
+
+
+# --- a proxy that loses what crosses it ------------------------------------------------------------
+
+Mode = Literal["pass", "drop_replies", "drop_requests"]
+
+
+class LossyProxy:
+    """A TCP proxy in front of Redis that passes bytes, or drops what Redis answers (the command ran,
+    its answer never arrives), or drops what the client sends (the command never reaches Redis)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.mode: Mode = "pass"
+
+    async def _pump(self, source: anyio.abc.ByteReceiveStream, sink: anyio.abc.ByteSendStream, drop: Mode) -> None:
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            async for data in source:
+                if self.mode != drop:
+                    await sink.send(data)
+
+    async def _serve(self, client: anyio.abc.SocketStream) -> None:
+        async with client, await anyio.connect_tcp("127.0.0.1", self.target_port) as upstream:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._pump, client, upstream, "drop_requests")
+                await self._pump(upstream, client, "drop_replies")
+                tg.cancel_scope.cancel()
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+            port = listener.extra(anyio.abc.SocketAttribute.local_port)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(listener.serve, self._serve)
+                yield f"redis://127.0.0.1:{port}/0"
+                tg.cancel_scope.cancel()
+
+
+# --- the claim's answer lost ------------------------------------------------------------------------
+
+# What the proxy in front of replica a loses while a admits a session's change back to an earlier body,
+# and whether Redis answers a again before that request's record.
+LOST: dict[str, tuple[Mode, bool]] = {
+    "answer lost, recorded while Redis is unusable": ("drop_replies", False),
+    "answer lost, recorded once Redis answers again": ("drop_replies", True),
+    "command lost, recorded once Redis answers again": ("drop_requests", True),
+}
+
+
+@ASYNCIO
+@pytest.mark.parametrize("case", list(LOST))
+async def test_a_claim_whose_answer_is_lost_runs_its_change_once_in_the_fleet(server: RedisServer, case: str) -> None:
+    """Turns X (on a), Y (on b), X again (on a: a real change back), while Redis loses a's claim or
+    its answer; then a re-send of that X on b, and a change to Y on b. Each of the three changes of
+    the conversation runs ``on_change`` once in the fleet, and the re-send none."""
+    lost, back_before_record = LOST[case]
+    changes = Changes()
+    proxy = LossyProxy(server.port)
+    x, y = turn(1), turn(2)
+    replicas: dict[str, RedisSessionBook] = {}
+
+    async def answer_a(request: httpx.Request) -> httpx.Response:
+        if proxy.mode != "pass":  # the admission whose claim got lost: a fell back
+            assert not replicas["a"].up
+            if back_before_record:
+                proxy.mode = "pass"
+                await until(lambda: replicas["a"].up)
+        return httpx.Response(200, json=OK)
+
+    with respx.mock(assert_all_called=True) as router:
+        router.post(f"http://upstream-a.test{PATH}").mock(side_effect=answer_a)
+        router.post(f"http://upstream-b.test{PATH}").respond(200, json=OK)
+        async with (
+            proxy.serving() as via_proxy,
+            replica(via_proxy, "http://upstream-a.test", changes, "a", bound=0.5) as (a, book_a),
+            replica(server.url, "http://upstream-b.test", changes, "b") as (b, book_b),
+        ):
+            replicas["a"] = book_a
+            headers = {"x-session-id": "conv"}
+            assert (await a.post(PATH, json=x, headers=headers)).status_code == 200
+            assert (await b.post(PATH, json=y, headers=headers)).status_code == 200
+            proxy.mode = lost
+            assert (await a.post(PATH, json=x, headers=headers)).status_code == 200
+            assert book_a.fallbacks == 1
+            proxy.mode = "pass"
+            await until(lambda: book_a.up)
+            await settled(book_a)
+            assert (await b.post(PATH, json=x, headers=headers)).status_code == 200  # a re-send, elsewhere
+            assert (await b.post(PATH, json=y, headers=headers)).status_code == 200
+            await settled(book_a, book_b)
+    assert hashes_of(changes) == [body_hash(x), body_hash(y), body_hash(x), body_hash(y)], changes.calls
+    assert [name for name, _, _ in changes.calls] == ["a", "b", "a", "b"]
+
+
+# --- a server that is not quite Redis -----------------------------------------------------------------
+
+
+class FakeRedis:
+    """Speaks just enough RESP for redis-py: ``+PONG`` to ``PING``, every script known to ``SCRIPT EXISTS``,
+    ``reply`` to each call of the script ``script`` (what a proxy or a foreign server answering garbage
+    sends), ``:1`` to the other scripts' calls and ``+OK`` to the rest."""
+
+    def __init__(self, script: str, reply: bytes) -> None:
+        self.sha = hashlib.sha1(script.encode()).hexdigest().encode()
+        self.reply = reply
+        self.script_calls = 0
+
+    async def _commands(self, stream: anyio.abc.SocketStream) -> AsyncIterator[list[bytes]]:
+        buffer = b""
+
+        async def line() -> bytes:
+            nonlocal buffer
+            while b"\r\n" not in buffer:
+                buffer += await stream.receive()
+            head, _, buffer = buffer.partition(b"\r\n")
+            return head
+
+        async def exactly(n: int) -> bytes:
+            nonlocal buffer
+            while len(buffer) < n + 2:
+                buffer += await stream.receive()
+            data, buffer = buffer[:n], buffer[n + 2 :]
+            return data
+
+        while True:
+            head = await line()
+            assert head.startswith(b"*"), head
+            parts = []
+            for _ in range(int(head[1:])):
+                size = await line()
+                parts.append(await exactly(int(size[1:])))
+            yield parts
+
+    async def _serve(self, stream: anyio.abc.SocketStream) -> None:
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+            async with stream:
+                async for command in self._commands(stream):
+                    name = command[0].upper()
+                    if name == b"PING":
+                        await stream.send(b"+PONG\r\n")
+                    elif name == b"EVALSHA" and command[1] == self.sha:
+                        self.script_calls += 1
+                        await stream.send(self.reply)
+                    elif name == b"EVALSHA":
+                        await stream.send(b":1\r\n")
+                    elif name == b"SCRIPT" and command[1].upper() == b"EXISTS":
+                        await stream.send(b"*%d\r\n" % (len(command) - 2) + b":1\r\n" * (len(command) - 2))
+                    else:
+                        await stream.send(b"+OK\r\n")
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+            port = listener.extra(anyio.abc.SocketAttribute.local_port)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(listener.serve, self._serve)
+                yield f"redis://127.0.0.1:{port}/0"
+                tg.cancel_scope.cancel()
+
+
+# Answers a script call cannot have: a claim answers 0 or 1, a record {0 or 1, hash}.
+GARBAGE = {
+    "a string": b"$3\r\nabc\r\n",
+    "nil": b"$-1\r\n",
+    "an empty array": b"*0\r\n",
+    "two": b":2\r\n",
+    "a status": b"+OK\r\n",
+    "an array of three": b"*3\r\n:1\r\n:1\r\n:1\r\n",
+    "an array of a string and an integer": b"*2\r\n$1\r\n1\r\n:7\r\n",
+}
+
+
+@ASYNCIO
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+async def test_a_claim_answered_with_garbage_is_no_answer(garbage: str) -> None:
+    """The request is served within the bound, the book falls back, the change runs once (here)."""
+    changes = Changes()
+    fake = FakeRedis(_session_store._CLAIM, GARBAGE[garbage])
+    with respx.mock(assert_all_called=True) as router:
+        router.post(f"{UPSTREAM}{PATH}").respond(200, json=OK)
+        async with fake.serving() as url, replica(url, UPSTREAM, changes, "a", bound=2.0) as (client, subject):
+            assert subject.up
+            with anyio.fail_after(WAIT):
+                response = await client.post(PATH, json=turn(1), headers={"x-session-id": "s"})
+            assert response.status_code == 200, response.text
+            assert fake.script_calls == 1
+            assert not subject.up and subject.fallbacks == 1
+            assert hashes_of(changes) == [body_hash(turn(1))]
+
+
+@ASYNCIO
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+async def test_a_record_answered_with_garbage_is_decided_here_and_the_task_lives_on(garbage: str) -> None:
+    """A record Redis decides (one not claimed at admission) answered with garbage: the book's task must
+    not die of it (it writes every replica's operations); the record is decided in memory, once."""
+    changes = Changes()
+    fake = FakeRedis(_session_store._RECORD, GARBAGE[garbage])
+    async with fake.serving() as url:
+        subject = book(url, changes.of("a"), timeout=0.5, lease=1.5)
+        with anyio.fail_after(WAIT):
+            async with started(subject):
+                assert subject.up
+                subject.record(outcome("s", "x"))
+                await until(lambda: not subject.up)
+                await until(lambda: len(changes.calls) == 1)
+                assert subject.local_records == 1
+                await until(lambda: subject.up)  # the task is alive: it pinged, and the fake answered
+                subject.record(dataclasses.replace(outcome("s", "x"), claim="local"))
+                assert len(changes.calls) == 1
