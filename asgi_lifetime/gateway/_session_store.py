@@ -68,11 +68,13 @@ only, so importing the gateway does not import it.
 from __future__ import annotations
 
 import asyncio  # only to tell whether redis-py's client can run here (_on_asyncio); no asyncio calls
+import dataclasses
 import importlib.util
 import itertools
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -285,6 +287,9 @@ class _Reclaim:
     token: str
     admitted: float
     """Wall-clock admission of the request."""
+    ran: bool = False
+    """True: ``on_change`` already ran here (Redis was unusable at the record); Redis is only told, so that
+    the same body re-sent to another replica is not a change again."""
 
 
 _Op = _Take | _Give | _Record | _Unclaim | _Reclaim
@@ -385,6 +390,7 @@ class RedisSessionBook(SessionBook):
         "_conn",
         "_state",
         "_idle_warned",
+        "_ran_here",
         "fallbacks",
         "local_records",
     )
@@ -427,6 +433,10 @@ class RedisSessionBook(SessionBook):
         self._conn: _Conn | None = None
         self._state: _State = "idle"
         self._idle_warned = False
+        # Changes claimed by this process's requests that on_change ran for here while Redis was unusable:
+        # told to Redis when it answers again (as claims asked again, ``_Reclaim.ran``). Bounded: past it,
+        # the oldest is forgotten (a re-send of its body elsewhere runs on_change once more).
+        self._ran_here: OrderedDict[str, _Reclaim] = OrderedDict()
         self.fallbacks = 0
         """Times the book switched to its in-memory half (Redis unusable, not asyncio, not started)."""
         self.local_records = 0
@@ -497,12 +507,15 @@ class RedisSessionBook(SessionBook):
             return
         entry = self._update(session_id, outcome)
         claim = outcome.claim
-        if claim == "local":
-            self.local_records += 1
-            self._sync(session_id, outcome.fingerprint, entry)
-            return
         offset = time.time() - time.monotonic()  # monotonic -> wall clock, for the fleet's comparisons
         admitted = outcome.started + offset
+        if claim == "local":
+            self.local_records += 1
+            runs = self.recomputations
+            self._sync(session_id, outcome.fingerprint, entry)
+            if self.recomputations != runs:  # a change this process decided alone: Redis learns it when back
+                self._keep_ran(_Reclaim(session_id, outcome.fingerprint, self._token(outcome.started), admitted))
+            return
         op = _Record(session_id, outcome, admitted, outcome.ended + offset, decides=claim is None)
         if claim is None:  # not claimed at admission (a caller of record alone): Redis decides now
             if not self._submit(op):
@@ -511,12 +524,29 @@ class RedisSessionBook(SessionBook):
             return
         self._submit(op)  # the scalars only: the change was decided at admission (if dropped, Redis misses a count)
         if claim == "unsure":  # the claim's answer was lost: ask again, or run it (at least once, never zero)
-            token = self._token(outcome.started)
-            if not self._submit(_Reclaim(session_id, outcome.fingerprint, token, admitted)):
+            again = _Reclaim(session_id, outcome.fingerprint, self._token(outcome.started), admitted)
+            if not self._submit(again):
                 self.local_records += 1
                 self._run_claimed(session_id, outcome.fingerprint, entry, claimed=True)
+                self._keep_ran(again)
             return
         self._run_claimed(session_id, outcome.fingerprint, entry, claimed=claim == "claimed")
+
+    def _keep_ran(self, op: _Reclaim) -> None:
+        """Remember a change ``on_change`` ran for here while Redis was unusable, to tell Redis when it is back."""
+        self._ran_here[op.token] = dataclasses.replace(op, ran=True)
+        while len(self._ran_here) > _QUEUE_SIZE:
+            self._ran_here.popitem(last=False)
+
+    def _tell_ran(self) -> None:
+        """Redis answers again: queue the changes run here meanwhile (``_RECLAIM`` claims each unless the
+        session has moved on since, so a re-send of the same body elsewhere finds it synced)."""
+        while self._ran_here:
+            token, op = self._ran_here.popitem(last=False)
+            if not self._submit(op):
+                self._ran_here[token] = op
+                self._ran_here.move_to_end(token, last=False)
+                return
 
     def _run_claimed(self, session_id: str, fp: Fingerprint, entry: SessionEntry, *, claimed: bool) -> None:
         """The fleet decided at admission: run ``on_change`` if this request claimed the change."""
@@ -578,6 +608,8 @@ class RedisSessionBook(SessionBook):
                 try:
                     await self._check(conn)
                     self._send = send
+                    if self.up:
+                        self._tell_ran()  # changes run here by an earlier run while Redis was unusable
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._write, conn, receive)
                         tg.start_soon(self._keep_leases, conn)
@@ -628,7 +660,7 @@ class RedisSessionBook(SessionBook):
             if isinstance(op, _Record) and op.decides and decision is not None:
                 changed, synced = decision
                 await self._decided(conn, op, changed, synced)
-            elif isinstance(op, _Reclaim) and decision is not None:
+            elif isinstance(op, _Reclaim) and not op.ran and decision is not None:
                 await self._reclaimed(conn, op, claimed=decision[0])
 
     async def _queue_op(self, conn: _Conn, pipe: Pipeline, op: _Op) -> None:
@@ -709,6 +741,9 @@ class RedisSessionBook(SessionBook):
         decided by the in-memory book, as the request would have had Redis been unused (unless it was
         decided at admission). A claim to give back: kept (the next record of that hash does not run it).
         A claim asked again: run (its first call may have claimed the change: at least once, never zero)."""
+        if isinstance(op, _Reclaim) and op.ran:
+            self._keep_ran(op)  # told when Redis is back
+            return
         if isinstance(op, _Reclaim):
             self.local_records += 1
             entry = self._entries.get(session_key(op.session_id))
@@ -718,6 +753,8 @@ class RedisSessionBook(SessionBook):
                 self._run_claimed(op.session_id, op.fingerprint, entry, claimed=True)
             except Exception:
                 logger.exception("on_change failed; the session's next record runs it again")
+                return
+            self._keep_ran(op)
             return
         if not isinstance(op, _Record) or not op.decides:
             return
@@ -772,6 +809,7 @@ class RedisSessionBook(SessionBook):
         else:
             logger.info("sessions are kept in %s", self._shown)
         self._state = "up"
+        self._tell_ran()
 
     def _fall_back(self, why: str) -> None:
         if self._state in ("down", "idle"):  # idle: a claim that failed after run ended; a new run starts afresh
@@ -866,6 +904,17 @@ def _connect(url: str, timeout: float) -> Redis:
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
+    options: dict[str, Any] = {}
+    try:
+        from redis.maint_notifications import MaintNotificationsConfig
+    except ImportError:  # redis-py before 7: no maintenance notifications, and the pool checks every connection
+        pass
+    else:
+        # Enabled ("auto", redis-py's default), they turn off the pool's check of a connection before it is
+        # lent: one the server closed meanwhile (a restart, its idle ``timeout``) then fails the next call on
+        # it, and that call is a request's claim (the book falls back; the change is decided unsure). They
+        # are for RESP3 clients of Redis Enterprise's maintenance; this client speaks RESP2.
+        options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
     # Each call is bounded by ``timeout`` here (anyio.fail_after); redis-py's own retries would only
     # wait longer under that bound. Its socket timeouts are a backstop, later than the bound.
     client: Redis = Redis.from_url(
@@ -874,6 +923,7 @@ def _connect(url: str, timeout: float) -> Redis:
         socket_connect_timeout=2 * timeout,
         retry=Retry(NoBackoff(), 0),
         client_name="asgi-lifetime",
+        **options,
     )
     return client
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ from .test_session_store import (
     WAIT,
     Changes,
     book,
+    fp,
     outcome,
     replica,
     settled,
@@ -104,6 +106,7 @@ LOST: dict[str, tuple[Mode, bool]] = {
     "answer lost, recorded while Redis is unusable": ("drop_replies", False),
     "answer lost, recorded once Redis answers again": ("drop_replies", True),
     "command lost, recorded once Redis answers again": ("drop_requests", True),
+    "command lost, recorded while Redis is unusable": ("drop_requests", False),
 }
 
 
@@ -267,3 +270,52 @@ async def test_a_record_answered_with_garbage_is_decided_here_and_the_task_lives
                 await until(lambda: subject.up)  # the task is alive: it pinged, and the fake answered
                 subject.record(dataclasses.replace(outcome("s", "x"), claim="local"))
                 assert len(changes.calls) == 1
+
+
+@ASYNCIO
+async def test_changes_decided_here_during_an_outage_are_told_to_redis_when_it_is_back(server: RedisServer) -> None:
+    """Redis dies; replica a serves two changes of a conversation alone (the first claim fails on the way,
+    the second is not asked) and runs ``on_change`` for each; Redis comes back (empty: no persistence).
+    a tells it what it ran: the last body re-sent to b is no change, the next body is one."""
+    changes = Changes()
+    x, y, z, w = turn(1), turn(2), turn(3), turn(4)
+    with respx.mock(assert_all_called=True) as router:
+        router.post(f"{UPSTREAM}{PATH}").respond(200, json=OK)
+        async with (
+            replica(server.url, UPSTREAM, changes, "a", bound=0.5) as (a, book_a),
+            replica(server.url, UPSTREAM, changes, "b", bound=0.5) as (b, book_b),
+        ):
+            headers = {"x-session-id": "conv"}
+            assert (await a.post(PATH, json=x, headers=headers)).status_code == 200
+            await anyio.to_thread.run_sync(server.kill)  # the loop runs meanwhile: its connections see the end
+            assert (await a.post(PATH, json=y, headers=headers)).status_code == 200  # its claim fails: unsure
+            assert not book_a.up
+            assert (await a.post(PATH, json=z, headers=headers)).status_code == 200  # down: not asked
+            assert book_a.local_records == 2
+            await anyio.to_thread.run_sync(server.start)  # the same port, an empty Redis
+            await until(lambda: book_a.up)
+            await settled(book_a)
+            assert (await b.post(PATH, json=z, headers=headers)).status_code == 200  # a re-send, elsewhere
+            assert (await b.post(PATH, json=w, headers=headers)).status_code == 200
+            await settled(book_a, book_b)
+            assert book_b.up and book_b.fallbacks == 0  # its pooled connections to the dead Redis were replaced
+    assert [(name, h) for name, _, h in changes.calls] == [
+        ("a", body_hash(x)),
+        ("a", body_hash(y)),
+        ("a", body_hash(z)),
+        ("b", body_hash(w)),
+    ]
+
+
+@ASYNCIO
+async def test_a_redis_restart_costs_the_next_claim_nothing(server: RedisServer) -> None:
+    """The pool's connections to a Redis that restarted (or closed them: its idle ``timeout``) are replaced
+    before use: the next claim is answered, and nothing falls back."""
+    changes = Changes()
+    subject = book(server.url, changes.of("a"), timeout=0.5, lease=1.5)
+    async with started(subject):
+        assert await subject.claim("s", fp("x"), time.monotonic()) == "claimed"
+        await anyio.to_thread.run_sync(server.kill)  # the loop runs meanwhile: its connections see the end
+        await anyio.to_thread.run_sync(server.start)  # the same port, an empty Redis
+        assert await subject.claim("s", fp("x"), time.monotonic()) == "claimed"  # empty: a change again
+        assert subject.up and subject.fallbacks == 0
