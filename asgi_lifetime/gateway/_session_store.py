@@ -155,8 +155,12 @@ return 1
 
 # KEYS[1] the session's entry. ARGV: wire hash, verdict (0/1), size, bytes out, status, outcome, wall-clock
 # end, TTL in ms, wall-clock start (admission), 1 if the record decides the change (it was not claimed at
-# admission) else 0. Returns {1 if this call changed the synced hash (the caller runs on_change) else 0,
-# the synced hash or ''}. One script: the compare-and-update is atomic.
+# admission) else 0, the claim token of a request that claimed its change at admission else ''. Returns {1 if
+# this call changed the synced hash (the caller runs on_change) else 0, the synced hash or ''}. One script:
+# the compare-and-update is atomic.
+# A claimed request's record finds no synced hash if Redis lost it between the claim and the record (a
+# restart without persistence, FLUSHALL, an expiry while the lease renewals failed): the newest record puts
+# its claim back, or a re-send of the same body elsewhere would claim (and run) the change again.
 # Records reach Redis through per-process queues, so one can arrive after a newer record of its session
 # (sent by another worker or replica): the order that counts is the requests' admission, not the arrival.
 # A record older than the newest one taken (an earlier 'started') is counted (requests, bytes) but
@@ -181,6 +185,10 @@ end
 redis.call('HSET', KEYS[1], 'wire_hash', ARGV[1], 'text_comparable', ARGV[2], 'size', ARGV[3],
            'last_status', ARGV[5], 'last_outcome', ARGV[6], 'started', ARGV[9])
 if ARGV[10] == '0' then
+  if not synced and ARGV[11] ~= '' then
+    redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1], 'claimer', ARGV[11])
+    return {0, ARGV[1]}
+  end
   return {0, synced or ''}
 end
 local admitted = redis.call('HGET', KEYS[1], 'admitted')
@@ -268,6 +276,8 @@ class _Record:
     """Wall-clock end of the response."""
     decides: bool
     """True if Redis decides the change now (no claim at admission); False: the scalars only."""
+    token: str = ""
+    """The request's claim token if it claimed its change at admission, else ''."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -516,13 +526,15 @@ class RedisSessionBook(SessionBook):
             if self.recomputations != runs:  # a change this process decided alone: Redis learns it when back
                 self._keep_ran(_Reclaim(session_id, outcome.fingerprint, self._token(outcome.started), admitted))
             return
-        op = _Record(session_id, outcome, admitted, outcome.ended + offset, decides=claim is None)
+        token = self._token(outcome.started) if claim == "claimed" else ""
+        op = _Record(session_id, outcome, admitted, outcome.ended + offset, decides=claim is None, token=token)
         if claim is None:  # not claimed at admission (a caller of record alone): Redis decides now
             if not self._submit(op):
                 self.local_records += 1
                 self._sync(session_id, outcome.fingerprint, entry)
             return
-        self._submit(op)  # the scalars only: the change was decided at admission (if dropped, Redis misses a count)
+        if not self._submit(op) and claim == "claimed":  # the scalars only (if dropped, Redis misses a count)...
+            self._keep_ran(_Reclaim(session_id, outcome.fingerprint, token, admitted))  # ...and its claim is told
         if claim == "unsure":  # the claim's answer was lost: ask again, or run it (at least once, never zero)
             again = _Reclaim(session_id, outcome.fingerprint, self._token(outcome.started), admitted)
             if not self._submit(again):
@@ -533,7 +545,8 @@ class RedisSessionBook(SessionBook):
         self._run_claimed(session_id, outcome.fingerprint, entry, claimed=claim == "claimed")
 
     def _keep_ran(self, op: _Reclaim) -> None:
-        """Remember a change ``on_change`` ran for here while Redis was unusable, to tell Redis when it is back."""
+        """Remember a change ``on_change`` ran for here while Redis was unusable, to tell Redis when it is back
+        (a Redis that restarted meanwhile may have lost the claim)."""
         self._ran_here[op.token] = dataclasses.replace(op, ran=True)
         while len(self._ran_here) > _QUEUE_SIZE:
             self._ran_here.popitem(last=False)
@@ -691,6 +704,7 @@ class RedisSessionBook(SessionBook):
             self._ttl_ms,
             repr(op.started),
             int(op.decides),
+            op.token,
         ]
         await conn.record(keys=[entry_key(session_key(op.session_id))], args=args, client=pipe)
 
@@ -755,6 +769,9 @@ class RedisSessionBook(SessionBook):
                 logger.exception("on_change failed; the session's next record runs it again")
                 return
             self._keep_ran(op)
+            return
+        if isinstance(op, _Record) and op.token:  # a claimed request's record: Redis is told of its claim when back
+            self._keep_ran(_Reclaim(op.session_id, op.outcome.fingerprint, op.token, op.started))
             return
         if not isinstance(op, _Record) or not op.decides:
             return

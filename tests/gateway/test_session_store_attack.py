@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal
 
 import anyio
@@ -22,8 +23,9 @@ import httpx
 import pytest
 import respx
 
+from asgi_lifetime import LifetimeSettings
 from asgi_lifetime._fingerprint import wire_hash
-from asgi_lifetime.gateway import RedisSessionBook, _session_store
+from asgi_lifetime.gateway import RedisSessionBook, _session_store, create_app
 
 from .._servers import RedisServer, redis_server
 from ..reliability.test_faults import PATH
@@ -36,6 +38,7 @@ from .test_session_store import (
     book,
     fp,
     outcome,
+    redis_client,
     replica,
     settled,
     started,
@@ -319,3 +322,148 @@ async def test_a_redis_restart_costs_the_next_claim_nothing(server: RedisServer)
         await anyio.to_thread.run_sync(server.start)  # the same port, an empty Redis
         assert await subject.claim("s", fp("x"), time.monotonic()) == "claimed"  # empty: a change again
         assert subject.up and subject.fallbacks == 0
+
+
+# --- the fleet decides as one process would ---------------------------------------------------------
+
+Upstream = Literal["ok", "500", "401", "unreachable", "slow"]
+
+# (body, whether the request carries the session id, what the upstream does): one conversation's requests
+# in order, whatever becomes of them. "big" is refused by the gateway itself (413) before it is forwarded.
+SEQUENCE: list[tuple[str, bool, Upstream]] = [
+    ("x", True, "ok"),
+    ("x", True, "ok"),  # the same body again: no change
+    ("y", True, "500"),  # a change, whatever the upstream answers (as the memory book records every outcome)
+    ("y", True, "ok"),  # the client retries the same body: no change
+    ("z", True, "unreachable"),
+    ("x", True, "401"),  # back to an earlier body: a change
+    ("big", True, "ok"),  # 413 from the gateway: never forwarded, never recorded
+    ("w", False, "ok"),  # no session id: not a session's request
+    ("z", True, "slow"),  # the upstream answers after the bound the client waits for: the client leaves
+    ("z", True, "ok"),
+    ("x", True, "ok"),
+]
+
+
+def body_of(tag: str) -> dict[str, Any]:
+    if tag == "big":
+        return {**turn(1), "padding": "p" * 4096}
+    return {**turn(1), "messages": [{"role": "user", "content": f"body {tag}"}]}
+
+
+@contextlib.asynccontextmanager
+async def gateway(store: str, changes: Changes, name: str) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    settings = LifetimeSettings(
+        upstream_url=(UPSTREAM,),
+        session_store=store,
+        session_store_timeout=4.0,
+        max_attempts=1,
+        max_body_bytes=2048,
+    )
+    app = create_app(settings, on_change=changes.of(name))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url=f"http://{name}.test") as client:
+            yield client, app
+            await until(lambda: app.state.lifetime.stats().idle)
+
+
+async def play(clients: list[httpx.AsyncClient]) -> list[int]:
+    """Send ``SEQUENCE``, request i to ``clients[i % len(clients)]``; the statuses the client saw."""
+    plan: list[Upstream] = []
+    reached = anyio.Event()
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        what = plan.pop(0)
+        if what == "unreachable":
+            raise httpx.ConnectError("refused", request=request)
+        if what == "slow":
+            reached.set()
+            await anyio.sleep_forever()
+        return httpx.Response({"500": 500, "401": 401}.get(what, 200), json=OK)
+
+    statuses: list[int] = []
+    with respx.mock(assert_all_called=False) as router:
+        router.post(f"{UPSTREAM}{PATH}").mock(side_effect=upstream)
+        for index, (tag, with_id, what) in enumerate(SEQUENCE):
+            client = clients[index % len(clients)]
+            if tag != "big":
+                plan.append(what)
+            headers = {"x-session-id": "conv"} if with_id else {}
+            if what == "slow":  # the client gives up while the upstream is answering
+                with anyio.fail_after(WAIT):
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(functools.partial(client.post, PATH, json=body_of(tag), headers=headers))
+                        await reached.wait()
+                        tg.cancel_scope.cancel()
+                statuses.append(0)
+                continue
+            statuses.append((await client.post(PATH, json=body_of(tag), headers=headers)).status_code)
+    return statuses
+
+
+@ASYNCIO
+async def test_the_fleet_runs_on_change_as_one_process_does(server: RedisServer) -> None:
+    """One sequence of requests, whatever becomes of each (upstream errors, the gateway's own refusal,
+    a client that leaves): the in-memory book of one process and two replicas sharing Redis run
+    ``on_change`` for the same changes, in the same order."""
+    alone, fleet = Changes(), Changes()
+    async with gateway("memory", alone, "memory") as (client, _):
+        alone_statuses = await play([client])
+    async with gateway(server.url, fleet, "a") as (a, app_a), gateway(server.url, fleet, "b") as (b, app_b):
+        fleet_statuses = await play([a, b])
+        assert app_a.state.book.up and app_b.state.book.up
+        assert app_a.state.book.local_records == app_b.state.book.local_records == 0
+    assert alone_statuses == fleet_statuses
+    assert 413 in alone_statuses and 500 in alone_statuses and 401 in alone_statuses
+    assert hashes_of(fleet) == hashes_of(alone), (fleet.calls, alone.calls)
+    expected = [body_of(tag) for tag in ("x", "y", "z", "x", "z", "x")]
+    assert hashes_of(alone) == [body_hash(body) for body in expected]
+
+
+# --- Redis forgets between the claim and the record -------------------------------------------------
+
+
+async def flush(server: RedisServer) -> None:
+    async with redis_client(server.url) as client:
+        await client.flushall()
+
+
+async def restart(server: RedisServer) -> None:
+    await anyio.to_thread.run_sync(server.kill)  # the loop runs meanwhile: the pools' connections see the end
+    await anyio.to_thread.run_sync(server.start)  # an empty Redis (no persistence)
+
+
+FORGETTING: dict[str, Callable[[RedisServer], Awaitable[None]]] = {"FLUSHALL": flush, "a restart": restart}
+
+
+@ASYNCIO
+@pytest.mark.parametrize("forget", list(FORGETTING))
+async def test_a_claim_redis_forgot_before_the_record_is_put_back(server: RedisServer, forget: str) -> None:
+    """Redis loses a's claim while a's answer streams: a runs the change (it claimed it), and its record
+    puts the claim back, so the same body re-sent to b is no change again; the next body is one."""
+    changes = Changes()
+    x, y = turn(1), turn(2)
+
+    async def answer_a(request: httpx.Request) -> httpx.Response:
+        await FORGETTING[forget](server)
+        return httpx.Response(200, json=OK)
+
+    with respx.mock(assert_all_called=True) as router:
+        router.post(f"http://upstream-a.test{PATH}").mock(side_effect=answer_a)
+        router.post(f"http://upstream-b.test{PATH}").respond(200, json=OK)
+        async with (
+            replica(server.url, "http://upstream-a.test", changes, "a", bound=0.5) as (a, book_a),
+            replica(server.url, "http://upstream-b.test", changes, "b", bound=0.5) as (b, book_b),
+        ):
+            headers = {"x-session-id": "conv"}
+            assert (await a.post(PATH, json=x, headers=headers)).status_code == 200
+            # A restart may cut a call of a's in flight (its lease's, on a connection still opening): then a
+            # falls back, runs the change it claimed, and tells Redis when it answers again.
+            await until(lambda: book_a.up)
+            await settled(book_a)
+            assert (await b.post(PATH, json=x, headers=headers)).status_code == 200  # a re-send, elsewhere
+            assert (await b.post(PATH, json=y, headers=headers)).status_code == 200
+            await settled(book_a, book_b)
+            assert book_b.fallbacks == 0
+    assert [(name, h) for name, _, h in changes.calls] == [("a", body_hash(x)), ("b", body_hash(y))]
