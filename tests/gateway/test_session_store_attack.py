@@ -467,3 +467,107 @@ async def test_a_claim_redis_forgot_before_the_record_is_put_back(server: RedisS
             await settled(book_a, book_b)
             assert book_b.fallbacks == 0
     assert [(name, h) for name, _, h in changes.calls] == [("a", body_hash(x)), ("b", body_hash(y))]
+
+
+# --- concurrency, clocks, the book's own life --------------------------------------------------------
+
+
+@ASYNCIO
+async def test_one_body_sent_at_once_to_both_replicas_runs_on_change_once(server: RedisServer) -> None:
+    """A double submit, an SDK retry that reaches the other replica while the first attempt is still being
+    answered: one change, one run in the fleet; two different bodies at once: two changes, one run each."""
+    changes = Changes()
+    gate = anyio.Event()
+    arrived = 0
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        nonlocal arrived
+        arrived += 1
+        await gate.wait()  # every request is in flight (claimed) before any is answered
+        return httpx.Response(200, json=OK)
+
+    with respx.mock(assert_all_called=True) as router:
+        router.post(f"{UPSTREAM}{PATH}").mock(side_effect=answer)
+        async with (
+            replica(server.url, UPSTREAM, changes, "a") as (a, book_a),
+            replica(server.url, UPSTREAM, changes, "b") as (b, book_b),
+        ):
+            headers = {"x-session-id": "conv"}
+            for bodies in ([turn(1)] * 8, [turn(2), turn(3)]):
+                gate, arrived, before = anyio.Event(), 0, len(changes.calls)
+                statuses: list[int] = []
+
+                async def send(client: httpx.AsyncClient, body: dict[str, Any], into: list[int]) -> None:
+                    into.append((await client.post(PATH, json=body, headers=headers)).status_code)
+
+                with anyio.fail_after(WAIT):
+                    async with anyio.create_task_group() as tg:
+                        for index, body in enumerate(bodies):
+                            tg.start_soon(send, (a, b)[index % 2], body, statuses)
+                        await until(lambda: arrived == len(bodies))  # noqa: B023 (waited on here)
+                        gate.set()
+                assert statuses == [200] * len(bodies)
+                assert sorted(hashes_of(changes)[before:]) == sorted({body_hash(body) for body in bodies})
+            assert book_a.local_records == book_b.local_records == 0
+
+
+@ASYNCIO
+async def test_replicas_minutes_apart_still_claim_each_change_once(server: RedisServer) -> None:
+    """The claim compares hashes, not clocks: a replica whose clock is five minutes behind the other's
+    claims each change of a conversation once, wherever its turns land."""
+    changes = Changes()
+    a, b = book(server.url, changes.of("a")), book(server.url, changes.of("b"))
+    skew = {"a": -300.0, "b": 0.0}
+    turns = [("a", "x"), ("b", "y"), ("a", "y"), ("a", "z"), ("b", "x"), ("b", "x"), ("a", "z")]
+    async with started(a, b):
+        for name, tag in turns:
+            subject = a if name == "a" else b
+            admitted = time.monotonic() + skew[name]
+            claim = await subject.claim("s", fp(tag), admitted)
+            subject.record(dataclasses.replace(outcome("s", tag), started=admitted, claim=claim))
+        await settled(a, b)
+        entry = await a.lookup("s")
+        assert entry is not None and entry.requests == len(turns)
+    assert [(name, h) for name, _, h in changes.calls] == [
+        ("a", fp("x").wire_hash),
+        ("b", fp("y").wire_hash),
+        ("a", fp("z").wire_hash),
+        ("b", fp("x").wire_hash),
+        ("a", fp("z").wire_hash),
+    ]
+
+
+@ASYNCIO
+async def test_a_claim_that_outlives_the_book_s_task_leaves_it_ready_to_start_again(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lifespan ends while a request's claim waits on Redis: the claim ends within its bound, and
+    the book is stopped, not "down" (which a new ``run`` refused as already running)."""
+    proxy = LossyProxy(server.port)
+    asking = anyio.Event()
+    claim = RedisSessionBook.claim
+
+    async def watched(self: RedisSessionBook, session_id: str, fingerprint: Any, admitted: float) -> Any:
+        asking.set()
+        return await claim(self, session_id, fingerprint, admitted)
+
+    monkeypatch.setattr(RedisSessionBook, "claim", watched)
+    async with proxy.serving() as url:
+        subject = book(url, timeout=0.5, lease=1.5)
+        answers: list[Any] = []
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as outer:
+                async with started(subject):
+                    proxy.mode = "drop_replies"
+
+                    async def admit() -> None:
+                        answers.append(await subject.claim("s", fp("x"), time.monotonic()))
+
+                    outer.start_soon(admit)
+                    await asking.wait()
+                # the task has stopped; the claim is still waiting
+            assert answers == ["unsure"]
+            assert not subject.up
+            proxy.mode = "pass"
+            async with started(subject):
+                assert subject.up
