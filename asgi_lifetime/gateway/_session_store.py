@@ -32,16 +32,26 @@ sessions in Redis, and keeps the in-memory book underneath as it always was:
   a session has a lease, its entry's TTL is renewed too.
 - **The request waits on Redis once, at admission, for at most ``SESSION_STORE_TIMEOUT``.**
   The claim is the only awaited call: shielded (a request cancelled meanwhile still knows what it
-  claimed, and its record runs it) and bounded; past the bound the book falls back (below) and
-  the request is decided by this process's memory. ``pin``, the release and ``record`` only
+  claimed, and its record runs it) and bounded; past the bound the book falls back (below).
+- **A claim whose answer is lost is asked again.** Past the bound, on a lost connection or on an
+  answer that is not one, the call may have run: the request is ``"unsure"``. Each claim carries a
+  token (this replica and the request's monotonic admission), which Redis keeps beside the claimed
+  hash, so asking again is idempotent: the record asks (``_RECLAIM``) whether this request holds the
+  change, and runs ``on_change`` if so. If Redis is still unusable at the record, ``on_change`` runs
+  here: at least once, never zero times (a lost answer of a claim that ran would otherwise leave the
+  change run by nobody). The changes this process ran while Redis was unusable (and the claims whose
+  record could not reach it) are told to Redis when it answers again, unless the session moved on:
+  the same body re-sent to another replica then is no change again. A claimed request's record puts
+  its claim back if Redis lost it meanwhile (a restart without persistence, ``FLUSHALL``).
+- **What the request does not wait for.** ``pin``, the release and ``record`` only
   update the in-memory book and put a small operation on a bounded queue; they never await. One
   task per book (``run``: started by the app's lifespan) writes the queue to Redis and renews the
   leases, each call bounded by ``SESSION_STORE_TIMEOUT``. Why a queue for those: the release runs
   at settle, on every path, cancellation included, where an await would hold the request open;
   and their order only matters for counts and leases, not for the decision.
 - **Redis slow or down: the local book.** A call that fails or takes longer than the bound
-  switches the book to its in-memory half: admissions do not ask Redis and records are decided
-  there (``on_change`` by this process alone), one warning line says so and
+  switches the book to its in-memory half: admissions do not ask Redis (``"local"``) and records are
+  decided there (``on_change`` by this process alone), one warning line says so and
   ``asgi_lifetime_session_store_up`` drops to 0 (``..._fallbacks_total`` counts the switches).
   The task pings meanwhile; when Redis answers again, one line says so, this process's leases
   are written again and admissions and records go back to Redis. A full queue (Redis slower
@@ -551,15 +561,15 @@ class RedisSessionBook(SessionBook):
         while len(self._ran_here) > _QUEUE_SIZE:
             self._ran_here.popitem(last=False)
 
-    def _tell_ran(self) -> None:
-        """Redis answers again: queue the changes run here meanwhile (``_RECLAIM`` claims each unless the
-        session has moved on since, so a re-send of the same body elsewhere finds it synced)."""
-        while self._ran_here:
-            token, op = self._ran_here.popitem(last=False)
-            if not self._submit(op):
-                self._ran_here[token] = op
-                self._ran_here.move_to_end(token, last=False)
-                return
+    async def _tell_ran(self, conn: _Conn) -> None:
+        """Redis answers again: write the changes run here meanwhile (``_RECLAIM`` claims each unless the
+        session has moved on since, so a re-send of the same body elsewhere finds it synced). Written by
+        the task itself, not queued: they would crowd the queue out. What Redis does not take is kept."""
+        while self._ran_here and self._state == "up":
+            ops: list[_Op] = []
+            while self._ran_here and len(ops) < _BATCH:
+                ops.append(self._ran_here.popitem(last=False)[1])
+            await self._apply(conn, ops)  # on failure each is settled here: kept for the next time
 
     def _run_claimed(self, session_id: str, fp: Fingerprint, entry: SessionEntry, *, claimed: bool) -> None:
         """The fleet decided at admission: run ``on_change`` if this request claimed the change."""
@@ -621,8 +631,6 @@ class RedisSessionBook(SessionBook):
                 try:
                     await self._check(conn)
                     self._send = send
-                    if self.up:
-                        self._tell_ran()  # changes run here by an earlier run while Redis was unusable
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._write, conn, receive)
                         tg.start_soon(self._keep_leases, conn)
@@ -826,7 +834,7 @@ class RedisSessionBook(SessionBook):
         else:
             logger.info("sessions are kept in %s", self._shown)
         self._state = "up"
-        self._tell_ran()
+        await self._tell_ran(conn)  # and those of an earlier run
 
     def _fall_back(self, why: str) -> None:
         if self._state in ("down", "idle"):  # idle: a claim that failed after run ended; a new run starts afresh
