@@ -61,12 +61,15 @@ Ending = Literal["complete", "client_disconnected", "stalled", "starved", "upstr
 OUTCOMES: Final = frozenset(get_args(Ending))
 """The values ``Outcome.outcome`` may take."""
 
-Claim = Literal["claimed", "synced", "local"]
+Claim = Literal["claimed", "synced", "local", "unsure"]
 """What a shared session book decided when it admitted a request (``Outcome.claim``):
 
 - ``"claimed"``: the fleet gave this request its session's change; its record runs ``on_change``.
 - ``"synced"``: the fleet already has this wire hash (an earlier or concurrent request claimed it).
-- ``"local"``: the shared store could not be asked in time; this process's book decides at the record.
+- ``"local"``: the shared store was not asked (unusable already); this process's book decides at the record.
+- ``"unsure"``: the store was asked and its answer never came (timeout, connection lost, garbage): the
+  claim may have been made. The record asks again (the claim is idempotent) or, if the store is still
+  unusable then, runs ``on_change``: at least once rather than never.
 """
 
 SESSION_KEY_BYTES: Final = 16

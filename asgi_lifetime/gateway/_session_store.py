@@ -32,16 +32,26 @@ sessions in Redis, and keeps the in-memory book underneath as it always was:
   a session has a lease, its entry's TTL is renewed too.
 - **The request waits on Redis once, at admission, for at most ``SESSION_STORE_TIMEOUT``.**
   The claim is the only awaited call: shielded (a request cancelled meanwhile still knows what it
-  claimed, and its record runs it) and bounded; past the bound the book falls back (below) and
-  the request is decided by this process's memory. ``pin``, the release and ``record`` only
+  claimed, and its record runs it) and bounded; past the bound the book falls back (below).
+- **A claim whose answer is lost is asked again.** Past the bound, on a lost connection or on an
+  answer that is not one, the call may have run: the request is ``"unsure"``. Each claim carries a
+  token (this replica and the request's monotonic admission), which Redis keeps beside the claimed
+  hash, so asking again is idempotent: the record asks (``_RECLAIM``) whether this request holds the
+  change, and runs ``on_change`` if so. If Redis is still unusable at the record, ``on_change`` runs
+  here: at least once, never zero times (a lost answer of a claim that ran would otherwise leave the
+  change run by nobody). The changes this process ran while Redis was unusable (and the claims whose
+  record could not reach it) are told to Redis when it answers again, unless the session moved on:
+  the same body re-sent to another replica then is no change again. A claimed request's record puts
+  its claim back if Redis lost it meanwhile (a restart without persistence, ``FLUSHALL``).
+- **What the request does not wait for.** ``pin``, the release and ``record`` only
   update the in-memory book and put a small operation on a bounded queue; they never await. One
   task per book (``run``: started by the app's lifespan) writes the queue to Redis and renews the
   leases, each call bounded by ``SESSION_STORE_TIMEOUT``. Why a queue for those: the release runs
   at settle, on every path, cancellation included, where an await would hold the request open;
   and their order only matters for counts and leases, not for the decision.
 - **Redis slow or down: the local book.** A call that fails or takes longer than the bound
-  switches the book to its in-memory half: admissions do not ask Redis and records are decided
-  there (``on_change`` by this process alone), one warning line says so and
+  switches the book to its in-memory half: admissions do not ask Redis (``"local"``) and records are
+  decided there (``on_change`` by this process alone), one warning line says so and
   ``asgi_lifetime_session_store_up`` drops to 0 (``..._fallbacks_total`` counts the switches).
   The task pings meanwhile; when Redis answers again, one line says so, this process's leases
   are written again and admissions and records go back to Redis. A full queue (Redis slower
@@ -68,11 +78,13 @@ only, so importing the gateway does not import it.
 from __future__ import annotations
 
 import asyncio  # only to tell whether redis-py's client can run here (_on_asyncio); no asyncio calls
+import dataclasses
 import importlib.util
 import itertools
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -107,8 +119,10 @@ _BATCH: Final = 256
 # While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
 _RETRY_INTERVAL: Final = 1.0
 
-# The claim at admission. KEYS[1] the session's entry. ARGV: wire hash, TTL in ms, wall-clock admission.
-# Returns 1 if this call changed the synced hash (the request's record runs on_change), else 0. Awaited by
+# The claim at admission. KEYS[1] the session's entry. ARGV: wire hash, TTL in ms, wall-clock admission, the
+# request's claim token (the replica and its monotonic admission: unique in the fleet). Returns 1 if this call
+# changed the synced hash (the request's record runs on_change), else 0. 'claimer' names the request that
+# claimed the synced hash: an answer lost on the way back is asked for again (_RECLAIM). Awaited by
 # the request before it is forwarded: a session's next turn is admitted only after this one's answer was
 # sent, so the order in which Redis runs the claims is the order of the turns. 'admitted' (the newest
 # admission that asked) keeps a record decided at settle (one not claimed at admission) from claiming a
@@ -123,15 +137,40 @@ if synced == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 0
 end
-redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1])
+redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1], 'claimer', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# A claim whose answer never came (timeout, connection lost, garbage), asked again at the request's record.
+# KEYS[1] the session's entry. ARGV as _CLAIM's. Returns 1 if the request carries its session's change (its
+# record runs on_change), else 0. Idempotent: whether the lost call ran or not, the answer is the one it
+# would have had. Its claim still stands: 1. Another request holds this hash: 0 (that one runs it). Else the
+# change is this request's: claimed now if no newer request was admitted since, or (one was: it claimed its
+# own change after this one, whether or not this one's call ran first) run without moving the hash back.
+_RECLAIM: Final = """
+if redis.call('HGET', KEYS[1], 'claimer') == ARGV[4] then
+  return 1
+end
+if redis.call('HGET', KEYS[1], 'synced_hash') == ARGV[1] then
+  return 0
+end
+local admitted = redis.call('HGET', KEYS[1], 'admitted')
+if not admitted or tonumber(ARGV[3]) >= tonumber(admitted) then
+  redis.call('HSET', KEYS[1], 'admitted', ARGV[3], 'synced_hash', ARGV[1], 'claimer', ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
 return 1
 """
 
 # KEYS[1] the session's entry. ARGV: wire hash, verdict (0/1), size, bytes out, status, outcome, wall-clock
 # end, TTL in ms, wall-clock start (admission), 1 if the record decides the change (it was not claimed at
-# admission) else 0. Returns {1 if this call changed the synced hash (the caller runs on_change) else 0,
-# the synced hash or ''}. One script: the compare-and-update is atomic.
+# admission) else 0, the claim token of a request that claimed its change at admission else ''. Returns {1 if
+# this call changed the synced hash (the caller runs on_change) else 0, the synced hash or ''}. One script:
+# the compare-and-update is atomic.
+# A claimed request's record finds no synced hash if Redis lost it between the claim and the record (a
+# restart without persistence, FLUSHALL, an expiry while the lease renewals failed): the newest record puts
+# its claim back, or a re-send of the same body elsewhere would claim (and run) the change again.
 # Records reach Redis through per-process queues, so one can arrive after a newer record of its session
 # (sent by another worker or replica): the order that counts is the requests' admission, not the arrival.
 # A record older than the newest one taken (an earlier 'started') is counted (requests, bytes) but
@@ -156,6 +195,10 @@ end
 redis.call('HSET', KEYS[1], 'wire_hash', ARGV[1], 'text_comparable', ARGV[2], 'size', ARGV[3],
            'last_status', ARGV[5], 'last_outcome', ARGV[6], 'started', ARGV[9])
 if ARGV[10] == '0' then
+  if not synced and ARGV[11] ~= '' then
+    redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1], 'claimer', ARGV[11])
+    return {0, ARGV[1]}
+  end
   return {0, synced or ''}
 end
 local admitted = redis.call('HGET', KEYS[1], 'admitted')
@@ -166,13 +209,14 @@ if synced == ARGV[1] then
   return {0, synced}
 end
 redis.call('HSET', KEYS[1], 'synced_hash', ARGV[1])
+redis.call('HDEL', KEYS[1], 'claimer')
 return {1, ARGV[1]}
 """
 
 # on_change failed: give the claim back, unless another record changed it since.
 _UNCLAIM: Final = """
 if redis.call('HGET', KEYS[1], 'synced_hash') == ARGV[1] then
-  return redis.call('HDEL', KEYS[1], 'synced_hash')
+  return redis.call('HDEL', KEYS[1], 'synced_hash', 'claimer')
 end
 return 0
 """
@@ -242,6 +286,8 @@ class _Record:
     """Wall-clock end of the response."""
     decides: bool
     """True if Redis decides the change now (no claim at admission); False: the scalars only."""
+    token: str = ""
+    """The request's claim token if it claimed its change at admission, else ''."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,18 +298,33 @@ class _Unclaim:
     wire_hash: str
 
 
-_Op = _Take | _Give | _Record | _Unclaim
+@dataclass(frozen=True, slots=True)
+class _Reclaim:
+    """A claim whose answer never came, asked again at the request's record (``_RECLAIM``)."""
+
+    session_id: str  # stays in this process (on_change gets it); Redis gets session_key's digest
+    fingerprint: Fingerprint
+    token: str
+    admitted: float
+    """Wall-clock admission of the request."""
+    ran: bool = False
+    """True: ``on_change`` already ran here (Redis was unusable at the record); Redis is only told, so that
+    the same body re-sent to another replica is not a change again."""
+
+
+_Op = _Take | _Give | _Record | _Unclaim | _Reclaim
 _State = Literal["idle", "starting", "up", "down"]
 
 
 class _Conn:
     """The client and its scripts, for as long as ``run`` runs."""
 
-    __slots__ = ("client", "claim", "record", "unclaim", "renew", "live")
+    __slots__ = ("client", "claim", "reclaim", "record", "unclaim", "renew", "live")
 
     def __init__(self, client: Redis) -> None:
         self.client = client
         self.claim: AsyncScript = client.register_script(_CLAIM)
+        self.reclaim: AsyncScript = client.register_script(_RECLAIM)
         self.record: AsyncScript = client.register_script(_RECORD)
         self.unclaim: AsyncScript = client.register_script(_UNCLAIM)
         self.renew: AsyncScript = client.register_script(_RENEW)
@@ -349,6 +410,7 @@ class RedisSessionBook(SessionBook):
         "_conn",
         "_state",
         "_idle_warned",
+        "_ran_here",
         "fallbacks",
         "local_records",
     )
@@ -391,6 +453,10 @@ class RedisSessionBook(SessionBook):
         self._conn: _Conn | None = None
         self._state: _State = "idle"
         self._idle_warned = False
+        # Changes claimed by this process's requests that on_change ran for here while Redis was unusable:
+        # told to Redis when it answers again (as claims asked again, ``_Reclaim.ran``). Bounded: past it,
+        # the oldest is forgotten (a re-send of its body elsewhere runs on_change once more).
+        self._ran_here: OrderedDict[str, _Reclaim] = OrderedDict()
         self.fallbacks = 0
         """Times the book switched to its in-memory half (Redis unusable, not asyncio, not started)."""
         self.local_records = 0
@@ -429,8 +495,10 @@ class RedisSessionBook(SessionBook):
         """At admission: ask Redis whether this request carries its session's change (one script call).
 
         Bounded by ``timeout`` and shielded (a cancelled request still knows what it claimed, and its record
-        says so); past the bound or on an error the book falls back, and the request is ``"local"``: decided by
-        this process's memory at its record. ``started``: ``time.monotonic()`` at admission.
+        says so). Redis unusable already: ``"local"``, decided by this process's memory at the record. Past the
+        bound, on an error or on an answer that is not one: the book falls back, and the request is
+        ``"unsure"`` (the call may have run): its record asks again. ``started``: ``time.monotonic()`` at
+        admission, the ``Outcome``'s own (it names the request's claim: see ``_token``).
         """
         conn = self._conn
         if self._state != "up" or conn is None:
@@ -438,14 +506,20 @@ class RedisSessionBook(SessionBook):
                 self._warn_idle()
             return "local"
         admitted = started + time.time() - time.monotonic()  # wall clock: the fleet's hosts compare it
-        args: list[str | int] = [fingerprint.wire_hash, self._ttl_ms, repr(admitted)]
+        args: list[str | int] = [fingerprint.wire_hash, self._ttl_ms, repr(admitted), self._token(started)]
         try:
             with anyio.fail_after(self._timeout, shield=True):
                 answer: Any = await conn.claim(keys=[entry_key(session_key(session_id))], args=args)
-        except Exception as exc:  # whatever it is, the fleet did not decide: this process does
+            claimed = _flag(answer)
+        except Exception as exc:  # whatever it is, the fleet's answer did not reach us
             self._fall_back(_why(exc, self._timeout))
-            return "local"
-        return "claimed" if int(answer) else "synced"
+            return "unsure"
+        return "claimed" if claimed else "synced"
+
+    def _token(self, started: float) -> str:
+        """Names one request's claim in the fleet: this book (replica) and the request's monotonic admission,
+        which the claim and the record (``Outcome.started``) both have."""
+        return f"{self._replica}:{started!r}"
 
     def record(self, outcome: Outcome) -> None:
         session_id = outcome.session_id
@@ -453,19 +527,49 @@ class RedisSessionBook(SessionBook):
             return
         entry = self._update(session_id, outcome)
         claim = outcome.claim
+        offset = time.time() - time.monotonic()  # monotonic -> wall clock, for the fleet's comparisons
+        admitted = outcome.started + offset
         if claim == "local":
             self.local_records += 1
+            runs = self.recomputations
             self._sync(session_id, outcome.fingerprint, entry)
+            if self.recomputations != runs:  # a change this process decided alone: Redis learns it when back
+                self._keep_ran(_Reclaim(session_id, outcome.fingerprint, self._token(outcome.started), admitted))
             return
-        offset = time.time() - time.monotonic()  # monotonic -> wall clock, for the fleet's comparisons
-        op = _Record(session_id, outcome, outcome.started + offset, outcome.ended + offset, decides=claim is None)
+        token = self._token(outcome.started) if claim == "claimed" else ""
+        op = _Record(session_id, outcome, admitted, outcome.ended + offset, decides=claim is None, token=token)
         if claim is None:  # not claimed at admission (a caller of record alone): Redis decides now
             if not self._submit(op):
                 self.local_records += 1
                 self._sync(session_id, outcome.fingerprint, entry)
             return
-        self._submit(op)  # the scalars only: the change was decided at admission (if dropped, Redis misses a count)
+        if not self._submit(op) and claim == "claimed":  # the scalars only (if dropped, Redis misses a count)...
+            self._keep_ran(_Reclaim(session_id, outcome.fingerprint, token, admitted))  # ...and its claim is told
+        if claim == "unsure":  # the claim's answer was lost: ask again, or run it (at least once, never zero)
+            again = _Reclaim(session_id, outcome.fingerprint, self._token(outcome.started), admitted)
+            if not self._submit(again):
+                self.local_records += 1
+                self._run_claimed(session_id, outcome.fingerprint, entry, claimed=True)
+                self._keep_ran(again)
+            return
         self._run_claimed(session_id, outcome.fingerprint, entry, claimed=claim == "claimed")
+
+    def _keep_ran(self, op: _Reclaim) -> None:
+        """Remember a change ``on_change`` ran for here while Redis was unusable, to tell Redis when it is back
+        (a Redis that restarted meanwhile may have lost the claim)."""
+        self._ran_here[op.token] = dataclasses.replace(op, ran=True)
+        while len(self._ran_here) > _QUEUE_SIZE:
+            self._ran_here.popitem(last=False)
+
+    async def _tell_ran(self, conn: _Conn) -> None:
+        """Redis answers again: write the changes run here meanwhile (``_RECLAIM`` claims each unless the
+        session has moved on since, so a re-send of the same body elsewhere finds it synced). Written by
+        the task itself, not queued: they would crowd the queue out. What Redis does not take is kept."""
+        while self._ran_here and self._state == "up":
+            ops: list[_Op] = []
+            while self._ran_here and len(ops) < _BATCH:
+                ops.append(self._ran_here.popitem(last=False)[1])
+            await self._apply(conn, ops)  # on failure each is settled here: kept for the next time
 
     def _run_claimed(self, session_id: str, fp: Fingerprint, entry: SessionEntry, *, claimed: bool) -> None:
         """The fleet decided at admission: run ``on_change`` if this request claimed the change."""
@@ -566,15 +670,19 @@ class RedisSessionBook(SessionBook):
                     for op in ops:
                         await self._queue_op(conn, pipe, op)
                     answers: list[Any] = await pipe.execute()
+            # Read every answer before acting on any: an answer that is not one is Redis failing, like no answer.
+            decisions = [_decision(op, answer) for op, answer in zip(ops, answers, strict=True)]
         except Exception as exc:  # whatever it is, Redis did not take the operations: settle them here
             self._fall_back(_why(exc, self._timeout))
             for op in ops:
                 self._settle_here(op)
             return
-        for op, answer in zip(ops, answers, strict=True):
-            if isinstance(op, _Record) and op.decides:
-                changed, synced = answer
-                await self._decided(conn, op, bool(changed), _text(synced) or None)
+        for op, decision in zip(ops, decisions, strict=True):
+            if isinstance(op, _Record) and op.decides and decision is not None:
+                changed, synced = decision
+                await self._decided(conn, op, changed, synced)
+            elif isinstance(op, _Reclaim) and not op.ran and decision is not None:
+                await self._reclaimed(conn, op, claimed=decision[0])
 
     async def _queue_op(self, conn: _Conn, pipe: Pipeline, op: _Op) -> None:
         """Add ``op`` to ``pipe`` (nothing is sent yet). A record's answer: {changed, synced hash or ''}."""
@@ -588,6 +696,10 @@ class RedisSessionBook(SessionBook):
         if isinstance(op, _Unclaim):
             await conn.unclaim(keys=[entry_key(op.key)], args=[op.wire_hash], client=pipe)
             return
+        if isinstance(op, _Reclaim):
+            again: list[str | int] = [op.fingerprint.wire_hash, self._ttl_ms, repr(op.admitted), op.token]
+            await conn.reclaim(keys=[entry_key(session_key(op.session_id))], args=again, client=pipe)
+            return
         fp, outcome = op.outcome.fingerprint, op.outcome
         args: list[str | int] = [
             fp.wire_hash,
@@ -600,6 +712,7 @@ class RedisSessionBook(SessionBook):
             self._ttl_ms,
             repr(op.started),
             int(op.decides),
+            op.token,
         ]
         await conn.record(keys=[entry_key(session_key(op.session_id))], args=args, client=pipe)
 
@@ -617,23 +730,57 @@ class RedisSessionBook(SessionBook):
                     self._on_change(op.session_id, fp)
                 except Exception:
                     logger.exception("on_change failed; the session's next record runs it again")
-                    await self._unclaim(conn, op)
+                    await self._unclaim(conn, op.session_id, fp.wire_hash)
                     return
         if entry is not None and synced is not None:
             entry.synced_hash = synced  # the fleet has run on_change for it (here or elsewhere)
 
-    async def _unclaim(self, conn: _Conn, op: _Record) -> None:
-        key = entry_key(session_key(op.session_id))
+    async def _reclaimed(self, conn: _Conn, op: _Reclaim, *, claimed: bool) -> None:
+        """Redis answered a claim asked again: run ``on_change`` if the request carries its change."""
+        entry = self._entries.get(session_key(op.session_id))
+        if claimed:
+            self.recomputations += 1
+            if self._on_change is not None:
+                try:
+                    self._on_change(op.session_id, op.fingerprint)
+                except Exception:
+                    logger.exception("on_change failed; the session's next record runs it again")
+                    await self._unclaim(conn, op.session_id, op.fingerprint.wire_hash)
+                    return
+        if entry is not None:
+            entry.synced_hash = op.fingerprint.wire_hash  # the fleet has run on_change for it (here or elsewhere)
+
+    async def _unclaim(self, conn: _Conn, session_id: str, wire_hash: str) -> None:
+        key = entry_key(session_key(session_id))
         try:
             with anyio.fail_after(self._timeout):
-                await conn.unclaim(keys=[key], args=[op.outcome.fingerprint.wire_hash])
+                await conn.unclaim(keys=[key], args=[wire_hash])
         except Exception as exc:
             self._fall_back(_why(exc, self._timeout))
 
     def _settle_here(self, op: _Op) -> None:
         """An operation Redis did not take. A lease: the renewals restore it (or it runs out). A record:
         decided by the in-memory book, as the request would have had Redis been unused (unless it was
-        decided at admission). A claim to give back: kept (the next record of that hash does not run it)."""
+        decided at admission). A claim to give back: kept (the next record of that hash does not run it).
+        A claim asked again: run (its first call may have claimed the change: at least once, never zero)."""
+        if isinstance(op, _Reclaim) and op.ran:
+            self._keep_ran(op)  # told when Redis is back
+            return
+        if isinstance(op, _Reclaim):
+            self.local_records += 1
+            entry = self._entries.get(session_key(op.session_id))
+            if entry is None:
+                entry = SessionEntry(op.fingerprint.wire_hash, op.fingerprint.text_comparable, op.fingerprint.size)
+            try:
+                self._run_claimed(op.session_id, op.fingerprint, entry, claimed=True)
+            except Exception:
+                logger.exception("on_change failed; the session's next record runs it again")
+                return
+            self._keep_ran(op)
+            return
+        if isinstance(op, _Record) and op.token:  # a claimed request's record: Redis is told of its claim when back
+            self._keep_ran(_Reclaim(op.session_id, op.outcome.fingerprint, op.token, op.started))
+            return
         if not isinstance(op, _Record) or not op.decides:
             return
         self.local_records += 1
@@ -687,9 +834,10 @@ class RedisSessionBook(SessionBook):
         else:
             logger.info("sessions are kept in %s", self._shown)
         self._state = "up"
+        await self._tell_ran(conn)  # and those of an earlier run
 
     def _fall_back(self, why: str) -> None:
-        if self._state == "down":
+        if self._state in ("down", "idle"):  # idle: a claim that failed after run ended; a new run starts afresh
             return
         self._state = "down"
         self.fallbacks += 1
@@ -757,11 +905,41 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _flag(answer: Any) -> bool:
+    """A claim's answer: 1 or 0, else ``ValueError`` (not Redis, a proxy's garbage: as good as no answer)."""
+    if isinstance(answer, int) and not isinstance(answer, bool) and answer in (0, 1):
+        return answer == 1
+    raise ValueError(f"unexpected answer from the session store: {type(answer).__name__}")
+
+
+def _decision(op: _Op, answer: Any) -> tuple[bool, str | None] | None:
+    """What Redis decided for ``op`` (a deciding record: changed and the synced hash; a claim asked again:
+    claimed), ``None`` for the others; ``ValueError`` for an answer that is not one."""
+    if isinstance(op, _Reclaim):
+        return _flag(answer), None
+    if not isinstance(op, _Record) or not op.decides:
+        return None
+    if not isinstance(answer, list) or len(answer) != 2 or not isinstance(answer[1], (bytes, str)):
+        raise ValueError(f"unexpected answer from the session store: {type(answer).__name__}")
+    return _flag(answer[0]), _text(answer[1]) or None
+
+
 def _connect(url: str, timeout: float) -> Redis:
     from redis.asyncio import Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
+    options: dict[str, Any] = {}
+    try:
+        from redis.maint_notifications import MaintNotificationsConfig
+    except ImportError:  # redis-py before 7: no maintenance notifications, and the pool checks every connection
+        pass
+    else:
+        # Enabled ("auto", redis-py's default), they turn off the pool's check of a connection before it is
+        # lent: one the server closed meanwhile (a restart, its idle ``timeout``) then fails the next call on
+        # it, and that call is a request's claim (the book falls back; the change is decided unsure). They
+        # are for RESP3 clients of Redis Enterprise's maintenance; this client speaks RESP2.
+        options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
     # Each call is bounded by ``timeout`` here (anyio.fail_after); redis-py's own retries would only
     # wait longer under that bound. Its socket timeouts are a backstop, later than the bound.
     client: Redis = Redis.from_url(
@@ -770,6 +948,7 @@ def _connect(url: str, timeout: float) -> Redis:
         socket_connect_timeout=2 * timeout,
         retry=Retry(NoBackoff(), 0),
         client_name="asgi-lifetime",
+        **options,
     )
     return client
 
