@@ -119,9 +119,13 @@ class Draft:
         body, self._body, self._resources = self._body, None, None
         return body
 
-    @property
-    def _shaped(self) -> bool:
-        return not isinstance(self._body, DeferredParse) or self._body.shaped
+    def _needs_parse(self, preparer: Preparer) -> bool:
+        """Whether the parse must exist before ``preparer`` runs: materialised on demand, for the first
+        preparer that may read it, or for any when nobody looked into the body (whether it has a
+        conversation to add to is unknown: a preparer must not skip its messages on a body shaped to
+        be too costly to parse)."""
+        body = self._body
+        return isinstance(body, DeferredParse) and (not body.shaped or not is_without_parse(preparer))
 
     async def _parse(self, raw: bytes) -> None:
         """Build the parse the body was deferred from (charged, bounded), with the messages added so far."""
@@ -320,10 +324,7 @@ async def prepare(
     del parsed  # the draft is its one holder here: a replaced body can be freed while preparers run
     try:
         for preparer in preparers:
-            if not is_without_parse(preparer) or not draft._shaped:
-                # Materialised on demand: for the first preparer that may read it, or for any when
-                # nobody looked into the body (whether it has a conversation to add to is unknown:
-                # a preparer must not skip its messages on a body shaped to be too costly).
+            if draft._needs_parse(preparer):
                 await draft._parse(raw)
             result = preparer(draft)
             if inspect.isawaitable(result):
