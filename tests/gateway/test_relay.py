@@ -508,6 +508,29 @@ async def test_no_timer_scope_per_chunk(sse_stream: bool, monkeypatch: pytest.Mo
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [False, True])
+async def test_a_response_read_to_its_end_is_not_closed_again(
+    sse_stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """httpx closes a response as its last chunk is read: the relay's closes (stop reading, close
+    each response) then skip the shielded, time-bounded close they need for an unfinished one."""
+    scopes: list[float] = []
+    real = anyio.move_on_after
+
+    def counting(delay: float, shield: bool = False) -> anyio.CancelScope:
+        scopes.append(delay)
+        return real(delay, shield=shield)
+
+    monkeypatch.setattr(anyio, "move_on_after", counting)
+    stream = Upstream(ROLE, HELLO, STOP + DONE)
+    headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
+    response = upstream_response(stream, headers=headers)
+    result = await run(response, Client())
+    assert result.outcome == "complete" and response.is_closed and stream.closed
+    assert scopes == []
+
+
+@pytest.mark.anyio
 async def test_keepalives_during_short_silences() -> None:
     upstream_bytes = [ROLE, sse(delta(content="Hi")), STOP + DONE]
     stream = Upstream(0.2, upstream_bytes[0], 0.2, upstream_bytes[1], 0.2, upstream_bytes[2])
