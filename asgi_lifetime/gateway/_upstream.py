@@ -256,6 +256,13 @@ class _Masked(httpx.AsyncByteStream):
         await self._stream.aclose()
 
 
+class _NoCookies(httpx.Cookies):
+    """A cookie jar that keeps nothing: the gateway's own client serves every client of the gateway."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
+
+
 class _Run:
     """Attempt count of one ``forward`` call."""
 
@@ -347,6 +354,11 @@ class UpstreamClient:
             # guards), and an Accept and User-Agent naming httpx. The client's own are forwarded.
             for name in ("accept", "accept-encoding", "user-agent"):
                 del client.headers[name]
+            # httpx stores every Set-Cookie of every answer in the client's jar (it is never sent: requests
+            # are built here, without the jar), wrapping each response for the standard library's
+            # cookie code first: most of httpx's own work per request, and an upstream could make the jar
+            # grow with every answer. The aiohttp transport keeps none either (DummyCookieJar).
+            client._cookies = _NoCookies()
         self._client = client
         # Retries and refolds count toward the middleware's stats when it is given.
         self._counters = lifetime.counters if lifetime is not None else Counters()

@@ -890,3 +890,23 @@ async def test_each_upstream_url_is_parsed_once(monkeypatch: pytest.MonkeyPatch)
     assert parsed.count(BASE + PATH) == 1
     assert parsed.count(BASE + "/v1/chat/completions?key=secret") == 2
     assert parsed.count(BASE + long_path) == 2
+
+
+async def test_the_gateways_own_client_keeps_no_cookies() -> None:
+    """Every client's answers go through one httpx client: it keeps none of their cookies (httpx would
+    store each Set-Cookie, wrapping every response for the cookie code first). A client passed in is
+    the caller's, cookies and all."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers=[("set-cookie", f"affinity={request.url.path}; Path=/")])
+
+    async with make_upstream(Recorder(), transport=mock(handler)) as upstream:
+        response = await upstream.forward(simple(), on_retries_settled=lambda: None)
+        await response.aclose()
+        assert response.headers["set-cookie"].startswith("affinity=")  # relayed to the client as it came
+        assert len(upstream._client.cookies) == 0
+    own = httpx.AsyncClient(transport=mock(handler))
+    async with UpstreamClient(settings=make_settings(), base_url=BASE, client=own) as upstream:
+        await (await upstream.forward(simple(), on_retries_settled=lambda: None)).aclose()
+    assert len(own.cookies) == 1
+    await own.aclose()
