@@ -283,11 +283,11 @@ def _framed(response: httpx.Response, scrubber: KeyScrubber) -> None:
     Content-Length before forwarding (h11 read the body by its chunks; relaying the length
     would cut the body short, or promise a length the body does not have).
     """
-    raw = response.headers.raw
+    received = raw = response.headers.raw  # a new list at each access: compared with this one
     if "transfer-encoding" in response.headers and "content-length" in response.headers:
         raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
     raw = scrubber.headers(raw) or raw
-    if raw is not response.headers.raw:
+    if raw is not received:  # rebuilt only when changed (it was rebuilt for every response)
         response.headers = httpx.Headers(raw)
 
 

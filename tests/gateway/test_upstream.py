@@ -910,3 +910,23 @@ async def test_the_gateways_own_client_keeps_no_cookies() -> None:
         await (await upstream.forward(simple(), on_retries_settled=lambda: None)).aclose()
     assert len(own.cookies) == 1
     await own.aclose()
+
+
+async def test_response_headers_are_kept_as_received_when_nothing_changes() -> None:
+    """The response's headers are rebuilt only when the framing or the key scrubber changes them."""
+    sent: list[httpx.Headers] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": "text/event-stream", "x-id": "1"}
+        response = httpx.Response(200, headers=headers, stream=Tracked([b"data: x\n\n"]))
+        sent.append(response.headers)
+        return response
+
+    async with make_upstream(Recorder(), transport=mock(handler)) as upstream:
+        received = []
+        for _ in range(2):
+            response = await upstream.forward(simple(), on_retries_settled=lambda: None)
+            received.append(response.headers)
+            await response.aclose()
+    assert len(sent) == len(received) == 2
+    assert all(mine is theirs for mine, theirs in zip(received, sent))
