@@ -652,7 +652,7 @@ def test_terminals_hidden_from_a_byte_scan_are_still_found() -> None:
     assert fast.saw_error and fast.error_message == "boom"
 
 
-STREAM_TAILS = {
+STREAM_TAILS: dict[str, tuple[list[tuple[str, Any]], list[tuple[str, Any]]]] = {
     "openai-chat": (
         [(M, chat(content=f" word{n}")) for n in range(10)] + [(M, {"choices": [], "usage": {"total_tokens": 3}})],
         [(M, chat_finish("stop")), (M, "[DONE]")],

@@ -873,7 +873,7 @@ async def test_each_upstream_url_is_parsed_once(monkeypatch: pytest.MonkeyPatch)
         parsed.append(url)
         return real(url, **kwargs)
 
-    monkeypatch.setattr(httpx._urls, "urlparse", counting)  # type: ignore[attr-defined]
+    monkeypatch.setattr(httpx._urls, "urlparse", counting)
     seen: list[str] = []
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -929,4 +929,4 @@ async def test_response_headers_are_kept_as_received_when_nothing_changes() -> N
             received.append(response.headers)
             await response.aclose()
     assert len(sent) == len(received) == 2
-    assert all(mine is theirs for mine, theirs in zip(received, sent))
+    assert all(mine is theirs for mine, theirs in zip(received, sent, strict=True))
