@@ -169,6 +169,7 @@ QUEUE_BUCKETS: Final = (
 """Histogram buckets of ``admission_queue_seconds``: around a target delay of tens of ms, up to a long timeout."""
 
 _ATTEMPT_KINDS: Final = frozenset({"retry", "refold", "role"})
+_MAX_CHILDREN: Final = 1024
 
 
 def _status_label(status: int) -> str:
@@ -356,6 +357,9 @@ class GatewayMetrics:
             raise ValueError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
         self._stats = stats
         self._describe = describe_upstreams
+        # The ``requests`` child per (status, upstream, outcome) as the outcome gives them: prometheus's
+        # ``labels()`` validates, sorts and builds a tuple on every call, a cost per request.
+        self._children: dict[tuple[int, str | None, str], Counter] = {}
         self.registry = registry if registry is not None else CollectorRegistry()
         """The registry ``render`` exposes."""
         directory = os.environ.get(MULTIPROC_DIR_ENV)
@@ -394,10 +398,7 @@ class GatewayMetrics:
     def record(self, outcome: Outcome) -> None:
         """Count one finished request (a ``Bookkeeper``)."""
         metrics = self._metrics
-        outcome_label = outcome.outcome if outcome.outcome in OUTCOMES else "error"
-        metrics.requests.labels(
-            status=_status_label(outcome.status), upstream=self._labels(outcome.upstream), outcome=outcome_label
-        ).inc()
+        self._requests(outcome.status, outcome.upstream, outcome.outcome).inc()
         if outcome.bytes_out > 0:
             metrics.response_bytes.inc(outcome.bytes_out)
         ttfb = outcome.ttfb
@@ -406,6 +407,22 @@ class GatewayMetrics:
         metrics.duration.observe(max(0.0, outcome.duration))
         if self._process is not None:
             self._process.ensure_thread()
+
+    def _requests(self, status: int, upstream: str | None, outcome: str) -> Counter:
+        """The ``requests`` child for these values, looked up once per distinct triple."""
+        key = (status, upstream, outcome)
+        child = self._children.get(key)
+        if child is None:
+            child = self._metrics.requests.labels(
+                status=_status_label(status),
+                upstream=self._labels(upstream),
+                outcome=outcome if outcome in OUTCOMES else "error",
+            )
+            # Bounded: the labels are (statuses x 65 upstream labels x 7 outcomes); past this many
+            # triples the child is looked up each time, as before.
+            if len(self._children) < _MAX_CHILDREN:
+                self._children[key] = child
+        return child
 
     def on_admission_wait(self, seconds: float) -> None:
         """Observe one admitted request's wait for its slot (an ``Admission.on_admitted`` listener)."""

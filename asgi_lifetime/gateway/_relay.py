@@ -39,6 +39,7 @@ closed whatever happens, cancellation included.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -167,7 +168,10 @@ class _Relay:
         self.reissue = reissue
         self.counters = counters
         self.on_first_byte = on_first_byte
-        self.lock = anyio.Lock()
+        # The keep-alive task and the main task send under it. fast_acquire: an uncontended acquire does
+        # not yield to the event loop (anyio's default sleeps once, shielded, per acquire: a loop turn per
+        # chunk relayed); the main task yields at each upstream read anyway.
+        self.lock = anyio.Lock(fast_acquire=True)
         self.responses: list[httpx.Response] = []
         self.started = False
         self.status = 0
@@ -420,28 +424,34 @@ class _Relay:
         """Relay ``response``'s bytes until it ends; raises ``_Stalled`` or the httpx error that ended it."""
         iterator = response.aiter_raw()
         finished = False  # the chain of stream generators ended (its end, an error, a cancellation)
+        # One stall scope for the whole response, armed only while waiting for the upstream (its
+        # deadline is pushed back before each read and lifted while the chunk is sent): a scope of
+        # its own per chunk cost more than the rest of relaying that chunk.
+        stall = anyio.CancelScope()
         try:
-            while True:
-                self.waiting = finished = True
-                with anyio.move_on_after(self.stall_timeout) as scope:
+            with stall:
+                while True:
+                    self.waiting = finished = True
+                    stall.deadline = anyio.current_time() + self.stall_timeout
                     try:
                         chunk = await iterator.__anext__()
                     except StopAsyncIteration:
                         return
                     finally:
                         self.waiting = False
-                finished = scope.cancelled_caught
-                if scope.cancelled_caught:
-                    raise _Stalled
-                if not chunk:
-                    continue
-                if self.first_byte_at is None:
-                    self.first_byte_at = time.monotonic()
-                    if self.on_first_byte is not None:
-                        self.on_first_byte()
-                async with self.lock:
-                    await self._on_chunk(chunk)
-                del chunk  # hold no chunk while waiting for the next one
+                        stall.deadline = math.inf  # a slow client is not a stalled upstream
+                    finished = False
+                    if not chunk:
+                        continue
+                    if self.first_byte_at is None:
+                        self.first_byte_at = time.monotonic()
+                        if self.on_first_byte is not None:
+                            self.on_first_byte()
+                    async with self.lock:
+                        await self._on_chunk(chunk)
+                    del chunk  # hold no chunk while waiting for the next one
+            # Only the stall deadline ends the loop without a return or an exception.
+            raise _Stalled
         finally:
             self.waiting = False
             await stop_reading(response, iterator, finished=finished)

@@ -29,6 +29,8 @@ text / tool-call / reasoning delta), *terminal* (``[DONE]``, a ``finish_reason``
 ``end_turn``) or an *error* (the upstream said why it failed). Any other stream
 (transcription, image or speech events, a custom format), and a stream once it carried an
 oversized event, is output as soon as it has one event: only an event-less stream starves.
+Once a stream has shown content, an event whose text shows it can be neither terminal nor an
+error (``StreamFormat.inert``: most of a stream's events) is counted and not parsed.
 """
 
 from __future__ import annotations
@@ -509,21 +511,67 @@ def _gemini(event: str, payload: dict[str, Any], acc: _Accumulator) -> None:
         acc.terminal = acc.natural = True  # the prompt was refused, and the upstream said so
 
 
+# -- events that cannot end a stream ---------------------------------------------------------------
+#
+# Once a stream has shown content, an event can change the verdict only by being terminal or an
+# error: the guard needs nothing else from it. Each format says, from the event's name and data
+# text, when that is certain without the parse (``StreamFormat.inert``); the tracker checks first
+# what holds for every format (``_plain``). Without a backslash every ``"`` in the data delimits a
+# string, so a key or a type name the classifier reads can only appear spelled out: an event whose
+# text lacks them cannot be terminal. Anything unsure (an escape, the word "error" anywhere, a
+# mention of a terminal field) is parsed and classified as before.
+
+# An inert event is skipped only below this size, far from where ``_payload`` checks the parse's
+# cost (``_COST_CHECKED`` bytes: 4 bytes per character at most), so a skipped event is never one the
+# rules would have found unreadable.
+_INERT_LIMIT = 16 * 1024
+
+
+def _plain(event: str, data: str) -> bool:
+    """A JSON object in plain text that no format could read as an error."""
+    return (
+        data[:1] == "{" and len(data) < _INERT_LIMIT and event != "error" and "\\" not in data and "error" not in data
+    )
+
+
+def _chat_inert(event: str, data: str) -> bool:
+    # OpenAI sends ``"finish_reason":null`` in every chunk until the last; others add a space.
+    return data.count("finish_reason") == data.count('"finish_reason":null') + data.count('"finish_reason": null')
+
+
+def _responses_inert(event: str, data: str) -> bool:
+    # Terminal: the response.completed / incomplete / failed types, or a complete response object.
+    return not any(word in data for word in ("response.completed", "response.incomplete", "response.failed", "object"))
+
+
+def _anthropic_inert(event: str, data: str) -> bool:
+    return event != "message_stop" and "message_stop" not in data and "stop_reason" not in data
+
+
+def _gemini_inert(event: str, data: str) -> bool:
+    return "finishReason" not in data and "blockReason" not in data
+
+
 @dataclass(frozen=True, slots=True)
 class StreamFormat:
-    """A provider's format: ``detect`` recognises one of its events, ``classify`` reads it into an accumulator."""
+    """A provider's format: ``detect`` recognises one of its events, ``classify`` reads it into an accumulator.
+
+    ``inert(event, data)``, if given, is true only for an event that is neither terminal nor an error
+    whatever it parses to (given ``_plain``): after content such an event is not parsed at all.
+    """
 
     name: str
     detect: Callable[[str, dict[str, Any]], bool]
     classify: Callable[[str, dict[str, Any], _Accumulator], None]
+    inert: Callable[[str, str], bool] | None = None
 
 
 # The formats the guards judge, in the order they are tried.
 FORMATS: tuple[StreamFormat, ...] = (
-    StreamFormat("openai-chat", _is_chat, _chat),
-    StreamFormat("openai-responses", _is_responses, _responses),
-    StreamFormat("anthropic-messages", _is_anthropic, _anthropic),
-    StreamFormat("gemini", _is_gemini, _gemini),
+    StreamFormat("openai-chat", _is_chat, _chat, _chat_inert),
+    StreamFormat("openai-responses", _is_responses, _responses, _responses_inert),
+    StreamFormat("anthropic-messages", _is_anthropic, _anthropic, _anthropic_inert),
+    StreamFormat("gemini", _is_gemini, _gemini, _gemini_inert),
 )
 
 
@@ -666,6 +714,10 @@ class SSETracker:
 
     def observe(self, event: SSEEvent) -> EventClass:
         self.events += 1
+        if self.saw_content and not self._keep_text and self._inert(event):
+            # Content was seen: only a terminal or an error event could change the verdict, and this
+            # one is neither (most events of a stream: each costs a parse and a walk otherwise).
+            return _NOTHING
         done = not event.oversized and _is_done(event.data)
         payload = None if event.oversized or done else _payload(event.data)
         if event.oversized or payload is _UNREADABLE:
@@ -678,6 +730,12 @@ class SSETracker:
             kind = _error_class(event.event, payload) or self._classify(event.event, payload)
         self._record(kind)
         return kind
+
+    def _inert(self, event: SSEEvent) -> bool:
+        fmt = self.format
+        if fmt is None or fmt.inert is None or self.saw_oversized or event.oversized:
+            return False
+        return _plain(event.event, event.data) and fmt.inert(event.event, event.data)
 
     def _classify(self, name: str, payload: Any) -> EventClass:
         if isinstance(payload, dict) and _kind(payload) == "ping":

@@ -45,6 +45,8 @@ CLOSE_TIMEOUT = 5.0
 
 async def close_response(response: httpx.Response) -> None:
     """Close ``response`` within ``CLOSE_TIMEOUT``, even inside a cancelled scope; never raises."""
+    if response.is_closed:
+        return  # its aclose() does nothing: no shielded scope and timer for it (a response read to its end)
     with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
         try:
             await response.aclose()
@@ -61,6 +63,10 @@ async def stop_reading(response: httpx.Response, iterator: AsyncIterator[bytes],
     the inner ones (trio warns about each when they are collected): the response is closed, so
     the transport ends the chain, and the chain is drained (what is read meanwhile is dropped).
     """
+    if finished and response.is_closed:
+        # Read to its end: httpx closed the response as its last chunk went, and the chain of
+        # generators has ended (nothing to close). The common case: no shielded scope and timer.
+        return
     with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
         try:
             if not finished:

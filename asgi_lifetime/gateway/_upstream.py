@@ -87,6 +87,10 @@ class _Failure:
 # on disk is read back in the same slices.
 _SEND_SLICE = SLICE
 
+# Upstream URLs parsed once (``UpstreamClient._url``): how many, and how long each may be.
+_URLS = 256
+_URL_BYTES = 1024
+
 
 class _BodyIterator:
     __slots__ = ("_holder", "_body", "_spilled", "_offset", "_stream")
@@ -252,6 +256,13 @@ class _Masked(httpx.AsyncByteStream):
         await self._stream.aclose()
 
 
+class _NoCookies(httpx.Cookies):
+    """A cookie jar that keeps nothing: the gateway's own client serves every client of the gateway."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
+
+
 class _Run:
     """Attempt count of one ``forward`` call."""
 
@@ -272,11 +283,11 @@ def _framed(response: httpx.Response, scrubber: KeyScrubber) -> None:
     Content-Length before forwarding (h11 read the body by its chunks; relaying the length
     would cut the body short, or promise a length the body does not have).
     """
-    raw = response.headers.raw
+    received = raw = response.headers.raw  # a new list at each access: compared with this one
     if "transfer-encoding" in response.headers and "content-length" in response.headers:
         raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
     raw = scrubber.headers(raw) or raw
-    if raw is not response.headers.raw:
+    if raw is not received:  # rebuilt only when changed (it was rebuilt for every response)
         response.headers = httpx.Headers(raw)
 
 
@@ -343,6 +354,11 @@ class UpstreamClient:
             # guards), and an Accept and User-Agent naming httpx. The client's own are forwarded.
             for name in ("accept", "accept-encoding", "user-agent"):
                 del client.headers[name]
+            # httpx stores every Set-Cookie of every answer in the client's jar (it is never sent: requests
+            # are built here, without the jar), wrapping each response for the standard library's
+            # cookie code first: most of httpx's own work per request, and an upstream could make the jar
+            # grow with every answer. The aiohttp transport keeps none either (DummyCookieJar).
+            client._cookies = _NoCookies()
         self._client = client
         # Retries and refolds count toward the middleware's stats when it is given.
         self._counters = lifetime.counters if lifetime is not None else Counters()
@@ -351,6 +367,7 @@ class UpstreamClient:
         self._sleep: Callable[[float], Awaitable[None]] = anyio.sleep
         self._clock: Callable[[], float] = anyio.current_time
         self._random = random.Random()
+        self._urls: dict[str, httpx.URL] = {}  # see _url
 
     @property
     def transport_name(self) -> str:
@@ -590,7 +607,7 @@ class UpstreamClient:
         return response
 
     def _build(self, prepared: Prepared, base: str) -> httpx.Request:
-        url = httpx.URL(_join(base, prepared.path))
+        url = self._url(_join(base, prepared.path))
         outbound = [(k, v) for k, v in prepared.headers if k.lower() not in _OWN_HEADERS]
         named = {k.lower() for k, _ in outbound} | _OWN_HEADERS
         defaults = [(k, v) for k, v in self._client.headers.multi_items() if k.lower() not in named]
@@ -607,6 +624,17 @@ class UpstreamClient:
         # Given str, httpx encodes ASCII and fails on any byte over 0x7F.
         encoded = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         return httpx.Request(prepared.method, url, headers=encoded, stream=_BodyStream(prepared))
+
+    def _url(self, text: str) -> httpx.URL:
+        """``httpx.URL(text)``, parsed once per distinct URL: its parse and checks were two thirds of
+        building each request, for the same few URLs (a URL is immutable: shared safely).
+        Only short URLs without a query are kept (a query may carry a client's key), at most ``_URLS``."""
+        url = self._urls.get(text)
+        if url is None:
+            url = httpx.URL(text)
+            if len(self._urls) < _URLS and len(text) <= _URL_BYTES and "?" not in text:
+                self._urls[text] = url
+        return url
 
     def _jitter(self, retry: Retry) -> float:
         """Full jitter: a wait drawn from ``[0, retry.ceiling()]`` (see ``Retry.delay``)."""

@@ -263,6 +263,43 @@ def test_upstream_labels_are_bounded() -> None:
     assert "none" in upstreams
 
 
+def test_requests_series_are_looked_up_once_per_label_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prometheus's ``labels()`` validates and sorts on every call: each distinct (status, upstream,
+    outcome) is looked up once, and every request is still counted under its own labels."""
+    metrics = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
+    requests = metrics._metrics.requests
+    looked_up: list[dict[str, object]] = []
+    real = requests.labels
+
+    def counting(*args: object, **kwargs: object) -> object:
+        looked_up.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(requests, "labels", counting)
+    for _ in range(5):
+        metrics.record(make_outcome())
+        metrics.record(make_outcome(status=502, upstream=B_CONFIGURED, outcome="upstream_error"))
+    metrics.record(make_outcome(outcome="starved"))
+    assert len(looked_up) == 3
+    assert series(parse(metrics.render()[0]), "requests_total") == {
+        lbl(status="200", upstream=A, outcome="complete"): 5,
+        lbl(status="502", upstream=B, outcome="upstream_error"): 5,
+        lbl(status="200", upstream=A, outcome="starved"): 1,
+    }
+
+
+def test_the_label_set_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_metrics, "_MAX_CHILDREN", 2)
+    metrics = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
+    for status in (200, 201, 202, 203, 200, 203):
+        metrics.record(make_outcome(status=status))
+    assert len(metrics._children) == 2
+    counted = series(parse(metrics.render()[0]), "requests_total")
+    assert counted == {
+        lbl(status=str(s), upstream=A, outcome="complete"): n for s, n in [(200, 2), (201, 1), (202, 1), (203, 2)]
+    }
+
+
 @pytest.mark.parametrize(
     ("event", "reason"),
     [

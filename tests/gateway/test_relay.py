@@ -474,6 +474,63 @@ async def test_keepalives_do_not_reset_the_stall_timer() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [False, True])
+async def test_a_slow_client_is_not_a_stalled_upstream(sse_stream: bool) -> None:
+    """The stall deadline runs only while the relay waits for the upstream, not while a slow
+    client takes each chunk (longer than the stall timeout here)."""
+    chunks = [ROLE, sse(delta(content="Hi")), STOP + DONE]
+    client = Client(send_delay=0.3)
+    headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
+    result = await run(upstream_response(Upstream(*chunks), headers=headers), client, stall_timeout=0.2)
+    assert result.outcome == "complete" and client.ended
+    assert client.body == b"".join(chunks)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [False, True])
+async def test_no_timer_scope_per_chunk(sse_stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relaying a long stream sets up its stall guard once, not once per chunk (a cancel scope
+    and a timer each cost more than relaying a small chunk), and still catches a stall after it."""
+    scopes: list[float] = []
+    real = anyio.move_on_after
+
+    def counting(delay: float, shield: bool = False) -> anyio.CancelScope:
+        scopes.append(delay)
+        return real(delay, shield=shield)
+
+    monkeypatch.setattr(anyio, "move_on_after", counting)
+    chunks = [sse(delta(content=str(i))) for i in range(40)]
+    headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
+    client = Client()
+    result = await run(upstream_response(Upstream(*chunks, 30.0, DONE), headers=headers), client, stall_timeout=0.2)
+    assert result.outcome == "stalled" and client.body.startswith(b"".join(chunks))
+    assert len(scopes) <= 3, scopes
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [False, True])
+async def test_a_response_read_to_its_end_is_not_closed_again(
+    sse_stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """httpx closes a response as its last chunk is read: the relay's closes (stop reading, close
+    each response) then skip the shielded, time-bounded close they need for an unfinished one."""
+    scopes: list[float] = []
+    real = anyio.move_on_after
+
+    def counting(delay: float, shield: bool = False) -> anyio.CancelScope:
+        scopes.append(delay)
+        return real(delay, shield=shield)
+
+    monkeypatch.setattr(anyio, "move_on_after", counting)
+    stream = Upstream(ROLE, HELLO, STOP + DONE)
+    headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
+    response = upstream_response(stream, headers=headers)
+    result = await run(response, Client())
+    assert result.outcome == "complete" and response.is_closed and stream.closed
+    assert scopes == []
+
+
+@pytest.mark.anyio
 async def test_keepalives_during_short_silences() -> None:
     upstream_bytes = [ROLE, sse(delta(content="Hi")), STOP + DONE]
     stream = Upstream(0.2, upstream_bytes[0], 0.2, upstream_bytes[1], 0.2, upstream_bytes[2])

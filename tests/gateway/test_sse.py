@@ -557,3 +557,151 @@ def test_a_ping_does_not_fix_the_format() -> None:
     tracker.feed(frames(("ping", {"type": "ping"}), (M, chat(role="assistant"))))
     assert tracker.format is not None and tracker.format.name == "openai-chat"
     assert tracker.starved  # judged: no content, no terminal
+
+
+# -- events skipped after content -------------------------------------------------------------
+#
+# Once a stream has shown content, an event that cannot be terminal or an error is not parsed
+# (``StreamFormat.inert``). A tracker with ``keep_text=True`` parses every event: it is the reference.
+
+CONTENT_PREFIXES = {
+    "openai-chat": frames((M, chat(role="assistant")), (M, chat(content="Hi"))),
+    "openai-responses": frames(("response.output_text.delta", {"type": "response.output_text.delta", "delta": "Hi"})),
+    "anthropic-messages": frames(
+        ("message_start", {"type": "message_start", "message": {"stop_reason": None}}),
+        ("content_block_delta", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hi"}}),
+    ),
+    "gemini": frames((M, gemini([{"text": "Hi"}]))),
+}
+
+# Events written as the text a hostile or unusual upstream may send: what only the parse can read.
+TRICKY_EVENTS = {
+    "escaped-finish-key": b'data: {"choices":[{"delta":{},"finish_\\u0072eason":"stop"}]}\n\n',
+    "spaced-finish": b'data: {"choices":[{"delta":{},"finish_reason" : "stop"}]}\n\n',
+    "finish-then-null-duplicate": b'data: {"choices":[{"finish_reason":"stop","finish_reason":null}]}\n\n',
+    "null-then-finish-duplicate": b'data: {"choices":[{"finish_reason":null,"finish_reason":"stop"}]}\n\n',
+    "finish-in-content": b'data: {"choices":[{"delta":{"content":"finish_reason"},"finish_reason":null}]}\n\n',
+    "error-in-content": b'data: {"choices":[{"delta":{"content":"no error"},"finish_reason":null}]}\n\n',
+    "escaped-error-key": b'data: {"\\u0065rror":{"message":"boom"}}\n\n',
+    "error-type": b'data: {"type":"error","message":"boom"}\n\n',
+    "error-name-plain-data": b"event: error\ndata: {}\n\n",
+    "done": b"data: [DONE]\n\n",
+    "done-spaced": b"data:  [DONE] \n\n",
+    "leading-space-finish": b'data:  {"choices":[{"finish_reason":"stop"}]}\n\n',
+    "stop-by-name": b"event: message_stop\ndata: {}\n\n",
+    "stop-reason": b'data: {"type":"message_delta","delta":{"stop_reason":"end_turn"}}\n\n',
+    "responses-completed": b'data: {"type":"response.completed","response":{}}\n\n',
+    "responses-object": b'data: {"object":"response","status":"completed","output":[]}\n\n',
+    "gemini-finish": b'data: {"candidates":[{"content":{"parts":[]},"finishReason":"STOP"}]}\n\n',
+    "gemini-blocked": b'data: {"promptFeedback":{"blockReason":"SAFETY"}}\n\n',
+    "large-plain": b'data: {"choices":[{"delta":{"content":"' + b"x" * 20000 + b'"},"finish_reason":null}]}\n\n',
+    "costly": b"data: [" + b"{}," * 30000 + b"{}]\n\n",
+    "not-json": b"data: {not json\n\n",
+    "ping": b'event: ping\ndata: {"type": "ping"}\n\n',
+}
+
+
+def _verdict(tracker: SSETracker) -> tuple[object, ...]:
+    return (
+        tracker.starved,
+        tracker.judged,
+        tracker.saw_terminal,
+        tracker.saw_natural_stop,
+        tracker.saw_error,
+        tracker.error_message,
+        tracker.events,
+    )
+
+
+def _both(raw: bytes) -> tuple[SSETracker, SSETracker]:
+    fast, reference = SSETracker(), SSETracker(keep_text=True)
+    for tracker in (fast, reference):
+        for i in range(0, len(raw), 7):
+            tracker.feed(raw[i : i + 7])
+    return fast, reference
+
+
+TAILS = {
+    **{name: frames((event, payload)) for name, event, payload, _ in CLASSIFICATION},
+    **TRICKY_EVENTS,
+}
+
+
+@pytest.mark.parametrize("prefix", list(CONTENT_PREFIXES))
+@pytest.mark.parametrize("tail", list(TAILS))
+def test_skipping_events_after_content_never_changes_the_verdict(prefix: str, tail: str) -> None:
+    """Every classified event and every tricky spelling, after content in every format: the tracker
+    that skips what cannot be terminal judges exactly as the one that parses everything."""
+    raw = CONTENT_PREFIXES[prefix] + TAILS[tail]
+    fast, reference = _both(raw)
+    assert fast.format is not None and fast.format.name == prefix
+    assert fast.saw_content
+    assert _verdict(fast) == _verdict(reference)
+    # And again with an inert event after it (the verdict may already be settled by then).
+    fast, reference = _both(raw + CONTENT_PREFIXES[prefix])
+    assert _verdict(fast) == _verdict(reference)
+
+
+def test_terminals_hidden_from_a_byte_scan_are_still_found() -> None:
+    raw = CONTENT_PREFIXES["openai-chat"] + TRICKY_EVENTS["escaped-finish-key"]
+    fast, _ = _both(raw)
+    assert fast.saw_terminal and fast.saw_natural_stop and not fast.starved
+    fast, _ = _both(CONTENT_PREFIXES["openai-chat"] + TRICKY_EVENTS["null-then-finish-duplicate"])
+    assert fast.saw_terminal and not fast.starved
+    fast, _ = _both(CONTENT_PREFIXES["openai-chat"] + TRICKY_EVENTS["escaped-error-key"])
+    assert fast.saw_error and fast.error_message == "boom"
+
+
+STREAM_TAILS: dict[str, tuple[list[tuple[str, Any]], list[tuple[str, Any]]]] = {
+    "openai-chat": (
+        [(M, chat(content=f" word{n}")) for n in range(10)] + [(M, {"choices": [], "usage": {"total_tokens": 3}})],
+        [(M, chat_finish("stop")), (M, "[DONE]")],
+    ),
+    "openai-responses": (
+        [("response.output_text.delta", {"type": "response.output_text.delta", "delta": f" w{n}"}) for n in range(10)]
+        + [("response.output_text.done", {"type": "response.output_text.done", "text": "all"})],
+        [("response.completed", {"type": "response.completed", "response": {"status": "completed"}})],
+    ),
+    "anthropic-messages": (
+        [
+            ("content_block_delta", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": f" w{n}"}})
+            for n in range(10)
+        ]
+        + [("content_block_stop", {"type": "content_block_stop", "index": 0})],
+        [
+            ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
+            ("message_stop", {"type": "message_stop"}),
+        ],
+    ),
+    "gemini": (
+        [(M, gemini([{"text": f" w{n}"}])) for n in range(10)] + [(M, {"usageMetadata": {"totalTokenCount": 3}})],
+        [(M, gemini([{"text": "!"}], "STOP"))],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STREAM_TAILS))
+def test_events_after_content_are_not_parsed(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The events of a stream between its first content and its end are not parsed, in every format:
+    only those up to the first content and the terminal ones are."""
+    from asgi_lifetime.gateway import _sse
+
+    parsed: list[str] = []
+    real = _sse._payload
+
+    def counting(data: str) -> Any:
+        parsed.append(data)
+        return real(data)
+
+    monkeypatch.setattr(_sse, "_payload", counting)
+    middle, end = STREAM_TAILS[name]
+    tracker = SSETracker()
+    tracker.feed(CONTENT_PREFIXES[name])
+    before = len(parsed)
+    tracker.feed(frames(*middle))
+    assert len(parsed) == before, "an event that cannot end the stream was parsed"
+    tracker.feed(frames(*end))
+    assert not tracker.starved and tracker.saw_terminal
+    reference = SSETracker(keep_text=True)
+    reference.feed(CONTENT_PREFIXES[name] + frames(*middle) + frames(*end))
+    assert _verdict(tracker) == _verdict(reference)

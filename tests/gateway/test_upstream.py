@@ -858,3 +858,75 @@ async def test_over_a_real_loopback_connection() -> None:
     assert sent == body
     assert f"host: 127.0.0.1:{port}".encode() in head.lower()
     assert f"content-length: {len(body)}".encode() in head.lower()
+
+
+# --- per-request work that the request does not need ---------------------------------------------
+
+
+async def test_each_upstream_url_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same few URLs are built for every request: each is parsed once (httpx's parse was two thirds
+    of building a request); one with a query (a client's key may travel there) or a long one every time."""
+    parsed: list[str] = []
+    real = httpx._urls.urlparse  # type: ignore[attr-defined]
+
+    def counting(url: str = "", **kwargs: Any) -> Any:
+        parsed.append(url)
+        return real(url, **kwargs)
+
+    monkeypatch.setattr(httpx._urls, "urlparse", counting)
+    seen: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        return httpx.Response(200)
+
+    long_path = "/v1/" + "x" * 2000
+    paths = [PATH] * 3 + ["/v1/chat/completions?key=secret"] * 2 + [long_path] * 2
+    async with make_upstream(Recorder(), transport=mock(handler)) as upstream:
+        for path in paths:
+            prepared = Prepared(method="POST", path=path, headers=[], body=b"{}")
+            await (await upstream.forward(prepared, on_retries_settled=lambda: None)).aclose()
+    assert seen == [BASE + path for path in paths]
+    assert parsed.count(BASE + PATH) == 1
+    assert parsed.count(BASE + "/v1/chat/completions?key=secret") == 2
+    assert parsed.count(BASE + long_path) == 2
+
+
+async def test_the_gateways_own_client_keeps_no_cookies() -> None:
+    """Every client's answers go through one httpx client: it keeps none of their cookies (httpx would
+    store each Set-Cookie, wrapping every response for the cookie code first). A client passed in is
+    the caller's, cookies and all."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers=[("set-cookie", f"affinity={request.url.path}; Path=/")])
+
+    async with make_upstream(Recorder(), transport=mock(handler)) as upstream:
+        response = await upstream.forward(simple(), on_retries_settled=lambda: None)
+        await response.aclose()
+        assert response.headers["set-cookie"].startswith("affinity=")  # relayed to the client as it came
+        assert len(upstream._client.cookies) == 0
+    own = httpx.AsyncClient(transport=mock(handler))
+    async with UpstreamClient(settings=make_settings(), base_url=BASE, client=own) as upstream:
+        await (await upstream.forward(simple(), on_retries_settled=lambda: None)).aclose()
+    assert len(own.cookies) == 1
+    await own.aclose()
+
+
+async def test_response_headers_are_kept_as_received_when_nothing_changes() -> None:
+    """The response's headers are rebuilt only when the framing or the key scrubber changes them."""
+    sent: list[httpx.Headers] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": "text/event-stream", "x-id": "1"}
+        response = httpx.Response(200, headers=headers, stream=Tracked([b"data: x\n\n"]))
+        sent.append(response.headers)
+        return response
+
+    async with make_upstream(Recorder(), transport=mock(handler)) as upstream:
+        received = []
+        for _ in range(2):
+            response = await upstream.forward(simple(), on_retries_settled=lambda: None)
+            received.append(response.headers)
+            await response.aclose()
+    assert len(sent) == len(received) == 2
+    assert all(mine is theirs for mine, theirs in zip(received, sent, strict=True))
