@@ -28,10 +28,11 @@ import pytest
 from asgi_lifetime import _json
 from asgi_lifetime._lazy import lazy_cost
 from asgi_lifetime._parse import too_costly
+from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway._prepare import Draft
 
 from ..gateway.test_parse_e2e import JSON, OVERFLOW, ROLE, Recorder, gateway, policy
-from .test_faults import PATH, assert_idle, error_code
+from .test_faults import PATH, assert_idle, error_code, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -288,3 +289,92 @@ async def test_a_body_the_standard_library_refuses_gives_back_its_parse_charge()
     assert messages[0]["status"] == 204
     assert seen == [len(raw)]
     assert middleware.lifetime.stats().inflight_bytes == 0
+
+
+# --- the SDKs: pre-tokenized inputs and many-block messages, with and without a preparer ---------------------
+
+
+@pytest.mark.parametrize("with_preparer", [False, True])
+def test_sdk_bodies_too_costly_to_parse_are_forwarded_without_preparers_and_refused_with_one(
+    with_preparer: bool,
+) -> None:
+    """Without preparers the gateway forwards them as sent; with one (even ``@without_parse``) the body
+    would have to be parsed first, which is too costly: a 413 the SDK raises, nothing forwarded."""
+    import anthropic
+    import openai
+
+    from asgi_lifetime.gateway import create_app
+    from asgi_lifetime.testing._serve import serve_in_thread
+
+    from .test_attack_sdk import _EchoSize, _tokens
+    from .test_faults import FAST
+
+    upstream = _EchoSize()
+    tokens = _tokens()
+    blocks = [{"type": "text", "text": "a"} for _ in range(100_000)]
+    conversation: Any = [{"role": "user", "content": blocks}]
+    with serve_in_thread(upstream) as upstream_url:
+        settings = LifetimeSettings(upstream_url=(upstream_url,), **FAST)
+        app = create_app(settings, preparers=[policy] if with_preparer else [])
+        with serve_in_thread(app) as url:
+            oai = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+            ant = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+
+            def embeddings() -> Any:
+                return oai.embeddings.with_raw_response.create(model="e", input=tokens, encoding_format="float")
+
+            def completions() -> Any:
+                return oai.completions.with_raw_response.create(model="m", prompt=tokens[0] * 62, max_tokens=1)
+
+            def messages() -> Any:
+                return ant.messages.with_raw_response.create(model="claude", max_tokens=1, messages=conversation)
+
+            for call in (embeddings, completions, messages):
+                if with_preparer:
+                    with pytest.raises((openai.APIStatusError, anthropic.APIStatusError)) as raised:
+                        call()
+                    error: Any = raised.value
+                    assert error.status_code == 413 and "body_too_complex" in error.response.text
+                else:
+                    assert call().status_code == 200
+            assert len(upstream.bodies) == (0 if with_preparer else 3)
+            if not with_preparer:
+                assert json.loads(upstream.bodies[0])["input"] == tokens
+                assert json.loads(upstream.bodies[2])["messages"][0]["content"] == blocks
+            stats = httpx.get(f"{url}/lifetime/stats").json()
+            assert stats["inflight_requests"] == 0 and stats["inflight_bytes"] == 0
+
+
+async def test_sessions_and_gateway_keys_see_a_body_too_costly_as_any_other() -> None:
+    """A stranger is refused before the body is read (401); a keyed client's session gets ``on_change``
+    per wire hash, with the verdict "not comparable", as a body that is not JSON would."""
+    from asgi_lifetime._fingerprint import Fingerprint
+    from asgi_lifetime.gateway import create_app
+    from asgi_lifetime.testing._serve import serve_in_thread
+
+    from .test_faults import FAST
+
+    changes: list[tuple[str, Fingerprint]] = []
+    upstream = Recorder()
+    other = _EMPTY + b',"x":1}'
+    with serve_in_thread(upstream) as upstream_url:
+        # Gateway keys are checked when the gateway injects an upstream key.
+        settings = LifetimeSettings(upstream_url=(upstream_url,), **FAST).replace(
+            gateway_keys=("gk",), upstream_api_key="sk-upstream"
+        )
+        app = create_app(settings, on_change=lambda sid, fp: changes.append((sid, fp)))
+        with serve_in_thread(app) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                stranger = await client.post(PATH, content=b"{}", headers=JSON)
+                assert stranger.status_code == 401 and upstream.bodies == []
+                keyed = {**JSON, "authorization": "Bearer gk", "x-session-id": "s1"}
+                for raw in (VALID, VALID, other):
+                    assert (await client.post(PATH, content=raw, headers=keyed)).status_code == 200
+            assert upstream.bodies == [VALID, VALID, other]
+            await eventually(lambda: len(changes) == 2)  # bookkeeping runs after the response was sent
+            assert [(sid, fp.size, fp.text_comparable) for sid, fp in changes] == [
+                ("s1", len(VALID), False),
+                ("s1", len(other), False),
+            ]
+            await eventually(lambda: app.state.lifetime.stats().inflight_requests == 0)
+            assert app.state.lifetime.stats().inflight_bytes == 0
