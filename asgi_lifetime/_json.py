@@ -47,7 +47,6 @@ import msgspec
 __all__ = [
     "JSONDecodeFailure",
     "StdlibMayAccept",
-    "check_syntax",
     "check_unparsed",
     "dumps",
     "dumps_consuming",
@@ -114,22 +113,6 @@ def loads_fast(raw: bytes | memoryview) -> Any:
 _skimmer = msgspec.json.Decoder(msgspec.Raw)
 
 
-def check_syntax(raw: bytes) -> None:
-    """Raise ``JSONDecodeFailure`` if ``raw`` is not JSON (syntax, nesting); builds no objects.
-
-    msgspec skims the document into a ``Raw`` (a view of ``raw``): what its parse refuses,
-    except what the standard library may accept, is refused here, in a few ms per MiB.
-    UTF-8 inside strings is not checked.
-    """
-    try:
-        _skimmer.decode(raw)
-    except msgspec.DecodeError as exc:
-        if not _stdlib_may_accept(raw, str(exc)):
-            raise JSONDecodeFailure("request body is not valid JSON") from None
-    except RecursionError:
-        raise JSONDecodeFailure("request body is not valid JSON: nested too deeply") from None
-
-
 _STEP: Final = 64 * 1024
 _DIGITS_AS_ZERO: Final = bytes(0x30 if 0x30 <= b <= 0x39 else b for b in range(256))
 # What only the standard library parses, each replaced by what msgspec skims alike, byte for byte as long:
@@ -145,9 +128,9 @@ _STAND_INS: Final = (
 
 
 def check_unparsed(raw: bytes) -> bool:
-    """Whether ``loads(raw)`` would succeed, told without building it: ``JSONDecodeFailure`` when it
-    is not JSON; False when it cannot tell (``int()`` refuses a run of over 4300 digits, which is
-    valid in a string or a float); True when it is JSON.
+    """Whether ``loads(raw)`` would succeed, told without building the document: ``JSONDecodeFailure``
+    when it is not JSON; False when it cannot tell (``int()`` refuses a run of over 4300 digits,
+    which is valid in a string or a float); True when it is JSON.
 
     msgspec's syntax skim (with ``NaN``, ``Infinity`` and surrogate escapes, which only the standard
     library parses, replaced by stand-ins in a copy of the body), and the UTF-8 of the strings in
@@ -221,7 +204,7 @@ def _stdlib_may_accept(raw: bytes | memoryview, message: str) -> bool:
     if "surrogate" in message:
         return True
     if "truncated" in message or "hex escape" in message:
-        # The Raw skim (``check_syntax``) says "unexpected end of hex escape" for a lone surrogate.
+        # The Raw skim (``check_unparsed``) says "unexpected end of hex escape" for a lone surrogate.
         return _SURROGATE_ESCAPE.search(raw) is not None
     if "invalid character" in message:
         found = _AT_BYTE.search(message)

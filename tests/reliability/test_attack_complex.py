@@ -317,30 +317,32 @@ def test_sdk_bodies_too_costly_to_parse_are_forwarded_without_preparers_and_refu
         settings = LifetimeSettings(upstream_url=(upstream_url,), **FAST)
         app = create_app(settings, preparers=[policy] if with_preparer else [])
         with serve_in_thread(app) as url:
-            oai = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
-            ant = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+            with (
+                openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as oai,
+                anthropic.Anthropic(base_url=url, api_key="k", max_retries=0) as ant,
+            ):
 
-            def embeddings() -> Any:
-                return oai.embeddings.with_raw_response.create(model="e", input=tokens, encoding_format="float")
+                def embeddings() -> Any:
+                    return oai.embeddings.with_raw_response.create(model="e", input=tokens, encoding_format="float")
 
-            def completions() -> Any:
-                return oai.completions.with_raw_response.create(model="m", prompt=tokens[0] * 62, max_tokens=1)
+                def completions() -> Any:
+                    return oai.completions.with_raw_response.create(model="m", prompt=tokens[0] * 62, max_tokens=1)
 
-            def messages() -> Any:
-                return ant.messages.with_raw_response.create(model="claude", max_tokens=1, messages=conversation)
+                def messages() -> Any:
+                    return ant.messages.with_raw_response.create(model="claude", max_tokens=1, messages=conversation)
 
-            for call in (embeddings, completions, messages):
-                if with_preparer:
-                    with pytest.raises((openai.APIStatusError, anthropic.APIStatusError)) as raised:
-                        call()
-                    error: Any = raised.value
-                    assert error.status_code == 413 and "body_too_complex" in error.response.text
-                else:
-                    assert call().status_code == 200
-            assert len(upstream.bodies) == (0 if with_preparer else 3)
-            if not with_preparer:
-                assert json.loads(upstream.bodies[0])["input"] == tokens
-                assert json.loads(upstream.bodies[2])["messages"][0]["content"] == blocks
+                for call in (embeddings, completions, messages):
+                    if with_preparer:
+                        with pytest.raises((openai.APIStatusError, anthropic.APIStatusError)) as raised:
+                            call()
+                        error: Any = raised.value
+                        assert error.status_code == 413 and "body_too_complex" in error.response.text
+                    else:
+                        assert call().status_code == 200
+                assert len(upstream.bodies) == (0 if with_preparer else 3)
+                if not with_preparer:
+                    assert json.loads(upstream.bodies[0])["input"] == tokens
+                    assert json.loads(upstream.bodies[2])["messages"][0]["content"] == blocks
             stats = httpx.get(f"{url}/lifetime/stats").json()
             assert stats["inflight_requests"] == 0 and stats["inflight_bytes"] == 0
 
