@@ -195,12 +195,13 @@ class BodyTooComplex(BodyTooLarge):
     """The body is within the size limit, but parsing it would take too much memory.
 
     Each JSON value becomes a Python object of 24-200 bytes: a body made of many tiny values
-    (``[{},{},...]``) would multiply its size when parsed. Nothing is forwarded.
+    (``[{},{},...]``) would multiply its size when parsed. Nothing is forwarded. ``valid``: the
+    body was checked to be JSON without its parse (it may go on unparsed when nobody needs the parse).
     """
 
     code = "body_too_complex"
 
-    def __init__(self, size: int, cost: int, *, code: str | None = None) -> None:
+    def __init__(self, size: int, cost: int, *, valid: bool = False, code: str | None = None) -> None:
         RequestError.__init__(
             self,
             f"request body of {size} bytes is too complex: parsing it would take about {cost} bytes of memory;"
@@ -209,6 +210,7 @@ class BodyTooComplex(BodyTooLarge):
         )
         self.limit = size
         self.cost = cost
+        self.valid = valid
 
 
 class BodyIdleTimeout(RequestError):

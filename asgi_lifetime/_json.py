@@ -33,10 +33,12 @@ whole (the UTF-8 copies the encoder caches in non-ASCII strings go with their it
 
 from __future__ import annotations
 
+import codecs
 import io
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -45,7 +47,7 @@ import msgspec
 __all__ = [
     "JSONDecodeFailure",
     "StdlibMayAccept",
-    "check_syntax",
+    "check_unparsed",
     "dumps",
     "dumps_consuming",
     "loads",
@@ -111,20 +113,68 @@ def loads_fast(raw: bytes | memoryview) -> Any:
 _skimmer = msgspec.json.Decoder(msgspec.Raw)
 
 
-def check_syntax(raw: bytes) -> None:
-    """Raise ``JSONDecodeFailure`` if ``raw`` is not JSON (syntax, nesting); builds no objects.
+_STEP: Final = 64 * 1024
+_DIGITS_AS_ZERO: Final = bytes(0x30 if 0x30 <= b <= 0x39 else b for b in range(256))
+# What only the standard library parses, each replaced by what msgspec skims alike, byte for byte as long:
+# a value where it stood as one (``-Infinity`` first), a BMP escape for a surrogate's, and where either
+# stood inside a string, string content still.
+_STAND_INS: Final = (
+    (b"-Infinity", b"[0       ]"),
+    (b"Infinity", b"[0      ]"),
+    (b"NaN", b"[0]"),
+    (b"\\ud", b"\\u0"),
+    (b"\\uD", b"\\u0"),
+)
 
-    msgspec skims the document into a ``Raw`` (a view of ``raw``): what its parse refuses,
-    except what the standard library may accept, is refused here, in a few ms per MiB.
-    UTF-8 inside strings is not checked.
+
+def check_unparsed(raw: bytes) -> bool:
+    """Whether ``loads(raw)`` would succeed, told without building the document: ``JSONDecodeFailure``
+    when it is not JSON; False when it cannot tell (``int()`` refuses a run of over 4300 digits,
+    which is valid in a string or a float); True when it is JSON.
+
+    msgspec's syntax skim (with ``NaN``, ``Infinity`` and surrogate escapes, which only the standard
+    library parses, replaced by stand-ins in a copy of the body), and the UTF-8 of the strings in
+    steps of ``_STEP`` bytes: for a body forwarded as received without its parse, "not JSON" must
+    be exact.
     """
     try:
         _skimmer.decode(raw)
     except msgspec.DecodeError as exc:
         if not _stdlib_may_accept(raw, str(exc)):
             raise JSONDecodeFailure("request body is not valid JSON") from None
+        _check_stand_in(raw)
     except RecursionError:
         raise JSONDecodeFailure("request body is not valid JSON: nested too deeply") from None
+    view = memoryview(raw)
+    if not raw.isascii():
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            for start in range(0, len(raw), _STEP):
+                decoder.decode(view[start : start + _STEP])
+            decoder.decode(b"", True)
+        except UnicodeDecodeError:
+            raise JSONDecodeFailure("request body is not valid JSON: not UTF-8") from None
+    limit = sys.get_int_max_str_digits()
+    if limit:
+        # Linear: each step, with the ``limit`` bytes before it, its digits made "0" and searched
+        # for one long run (a regex would retry every start inside every long run).
+        run = b"0" * (limit + 1)
+        for start in range(0, len(raw), _STEP):
+            if run in raw[max(0, start - limit) : start + _STEP].translate(_DIGITS_AS_ZERO):
+                return False
+    return True
+
+
+def _check_stand_in(raw: bytes) -> None:
+    """``JSONDecodeFailure`` unless ``raw``, with what only the standard library parses replaced by
+    ``_STAND_INS`` (one copy of the body at a time, two while replacing), passes msgspec's skim."""
+    stand_in = raw
+    for name, value in _STAND_INS:
+        stand_in = stand_in.replace(name, value)
+    try:
+        _skimmer.decode(stand_in)
+    except (msgspec.DecodeError, RecursionError):  # now nothing is left for the standard library
+        raise JSONDecodeFailure("request body is not valid JSON") from None
 
 
 def loads_stdlib(raw: bytes) -> Any:
@@ -154,7 +204,7 @@ def _stdlib_may_accept(raw: bytes | memoryview, message: str) -> bool:
     if "surrogate" in message:
         return True
     if "truncated" in message or "hex escape" in message:
-        # The Raw skim (``check_syntax``) says "unexpected end of hex escape" for a lone surrogate.
+        # The Raw skim (``check_unparsed``) says "unexpected end of hex escape" for a lone surrogate.
         return _SURROGATE_ESCAPE.search(raw) is not None
     if "invalid character" in message:
         found = _AT_BYTE.search(message)

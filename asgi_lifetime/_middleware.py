@@ -422,9 +422,12 @@ async def _first_look(raw: bytes, ticket: Ticket, handoff: bool | Literal["on_de
     try:
         return await parse_body(raw, charge=ticket.grow_to), None
     except _json.JSONDecodeFailure:
+        ticket.shrink_to(len(raw))  # the standard library's parse may have failed after its charge
         return _NOT_PARSED, None
-    except BodyTooComplex:
-        if handoff is True:  # the app wants the parse: it cannot have it
+    except BodyTooComplex as exc:
+        if handoff is True or (handoff == "on_demand" and not exc.valid):
+            # The app wants the parse: it cannot have it. Or the gateway would forward the body as
+            # JSON, and whether it is could not be told without the parse (an integer over 4300 digits).
             raise
         # Valid JSON whose parse would cost too much (token-id arrays: 9x), and nobody asked for it:
         # it goes on as received, judged not comparable as a body that is not JSON is. Whoever

@@ -261,14 +261,16 @@ async def parse_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) ->
         ``charge(total)`` grows the request's admission ticket to ``total`` bytes (body + parse,
     less ``PARSE_SLACK``);
         ``BodyTooComplex`` is raised, before anything is parsed, for a body whose parse would
-        exceed ``parse_limit``. Raises ``_json.JSONDecodeFailure`` for what is not JSON.
+        exceed ``parse_limit`` (``valid`` when ``_json.check_unparsed`` vouched for it). Raises
+        ``_json.JSONDecodeFailure`` for what is not JSON.
     """
     size = len(raw)
     cost = await offload(size, lambda: parse_cost(raw))
     if size + cost > parse_limit(size):
-        # What is not JSON at all (bad syntax, 100k levels deep) is that first: 400, not 413.
-        await offload(size, lambda: _json.check_syntax(raw))
-        raise BodyTooComplex(size, cost)
+        # What is not JSON at all (bad syntax, bad UTF-8, 100k levels deep) is that first: 400, not
+        # 413. Only a body checked to be JSON is ``valid``: it may be forwarded unparsed.
+        valid = await offload(size, lambda: _json.check_unparsed(raw))
+        raise BodyTooComplex(size, cost, valid=valid)
     await charge(charge_for(size, cost))
     try:
         return await offload(size, lambda: _json.loads_fast(raw))
@@ -277,7 +279,8 @@ async def parse_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) ->
     # NaN, Infinity, huge numbers, lone surrogates: the standard library decodes a str first.
     cost += stdlib_extra(raw, cost)
     if size + cost > parse_limit(size):
-        raise BodyTooComplex(size, cost) from None
+        valid = await offload(size, lambda: _json.check_unparsed(raw))
+        raise BodyTooComplex(size, cost, valid=valid) from None
     await charge(charge_for(size, cost))
     return await offload(size, lambda: _json.loads_stdlib(raw))
 

@@ -28,6 +28,7 @@ from typing import Any, Final, TypeVar
 from .. import _json
 from .._fingerprint import Fingerprint
 from .._lazy import DeferredParse
+from .._parse import too_costly
 from .._resources import RequestResources
 from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
@@ -416,14 +417,19 @@ def _from_outbound(prepared: Prepared) -> tuple[Refold, RemapRole]:
 
     Each call parses the current outbound body (after a refold or a rename, the upstream
     made the new body current, so the next call continues from it) and keeps nothing of the
-    parse. The holder is referenced weakly: it owns these closures, no cycle keeps its body.
+    parse; a body whose parse would exceed ``_parse.parse_limit`` is not parsed (the call gives
+    up). The holder is referenced weakly: it owns these closures, no cycle keeps its body.
     """
     holder = weakref.ref(prepared)
 
     def current() -> Any:
         owner = holder()
         body = owner.body if owner is not None else None
-        return None if body is None else _json.loads(body)
+        if body is None or too_costly(body):
+            # A body nobody parsed (the lazy look bounds its own walk, not the parse: nesting in
+            # every message parses to 40x) is not parsed here either: the rejection goes to the client.
+            return None
+        return _json.loads(body)
 
     def refold(window: int | None) -> bytes | None:
         return default_refold(current())(window)
