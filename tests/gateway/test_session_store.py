@@ -502,6 +502,17 @@ async def test_a_silent_redis_costs_the_request_nothing(caplog: pytest.LogCaptur
                 assert subject.pinned == 0
 
 
+@contextlib.asynccontextmanager
+async def serving_on_loopback(handler: Callable[[anyio.abc.SocketStream], Awaitable[None]]) -> AsyncIterator[str]:
+    """``handler`` serving each connection on a free loopback port, given as a ``redis://`` URL."""
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, handler)
+            yield f"redis://127.0.0.1:{port}/0"
+            tg.cancel_scope.cancel()
+
+
 class FreezingProxy:
     """A TCP proxy in front of Redis that can stop passing bytes (and start again)."""
 
@@ -529,14 +540,8 @@ class FreezingProxy:
                 await self._pump(upstream, client)
                 tg.cancel_scope.cancel()
 
-    @contextlib.asynccontextmanager
-    async def serving(self) -> AsyncIterator[str]:
-        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
-            port = listener.extra(anyio.abc.SocketAttribute.local_port)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(listener.serve, self._serve)
-                yield f"redis://127.0.0.1:{port}/0"
-                tg.cancel_scope.cancel()
+    def serving(self) -> contextlib.AbstractAsyncContextManager[str]:
+        return serving_on_loopback(self._serve)
 
 
 @ASYNCIO

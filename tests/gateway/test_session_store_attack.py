@@ -40,6 +40,7 @@ from .test_session_store import (
     outcome,
     redis_client,
     replica,
+    serving_on_loopback,
     settled,
     started,
     turn,
@@ -91,14 +92,8 @@ class LossyProxy:
                 await self._pump(upstream, client, "drop_replies")
                 tg.cancel_scope.cancel()
 
-    @contextlib.asynccontextmanager
-    async def serving(self) -> AsyncIterator[str]:
-        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
-            port = listener.extra(anyio.abc.SocketAttribute.local_port)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(listener.serve, self._serve)
-                yield f"redis://127.0.0.1:{port}/0"
-                tg.cancel_scope.cancel()
+    def serving(self) -> contextlib.AbstractAsyncContextManager[str]:
+        return serving_on_loopback(self._serve)
 
 
 # --- the claim's answer lost ------------------------------------------------------------------------
@@ -214,14 +209,8 @@ class FakeRedis:
                     else:
                         await stream.send(b"+OK\r\n")
 
-    @contextlib.asynccontextmanager
-    async def serving(self) -> AsyncIterator[str]:
-        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
-            port = listener.extra(anyio.abc.SocketAttribute.local_port)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(listener.serve, self._serve)
-                yield f"redis://127.0.0.1:{port}/0"
-                tg.cancel_scope.cancel()
+    def serving(self) -> contextlib.AbstractAsyncContextManager[str]:
+        return serving_on_loopback(self._serve)
 
 
 # Answers a script call cannot have: a claim answers 0 or 1, a record {0 or 1, hash}.
