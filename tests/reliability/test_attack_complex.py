@@ -32,6 +32,7 @@ from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway._prepare import Draft
 
 from ..gateway.test_parse_e2e import JSON, OVERFLOW, ROLE, Recorder, gateway, policy
+from ..test_middleware import body_receive, raw_scope
 from .test_faults import PATH, assert_idle, error_code, eventually
 
 pytestmark = pytest.mark.anyio
@@ -266,26 +267,10 @@ async def test_a_body_the_standard_library_refuses_gives_back_its_parse_charge()
     middleware = LifetimeMiddleware(app, settings=LifetimeSettings(paths=("/v1/",)))
     messages: list[Any] = []
 
-    async def receive() -> Any:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
     async def send(message: Any) -> None:
         messages.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/x",
-        "raw_path": b"/v1/x",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2),
-    }
-    await middleware(scope, receive, send)
+    await middleware(raw_scope(raw), body_receive(raw), send)
     assert messages[0]["status"] == 204
     assert seen == [len(raw)]
     assert middleware.lifetime.stats().inflight_bytes == 0
