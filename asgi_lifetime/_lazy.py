@@ -1,71 +1,166 @@
-"""A body's verdict without its parse: what the fingerprint and the gateway need, decoded a piece at a time.
+"""A body's verdict without its parse: what the fingerprint and the gateway need, in one typed pass.
 
 The fingerprint's verdict looks at a few fields of each message; building a Python object for
 every string of a 64 MiB conversation (about 1.3x the body, up to 24x for pathological
-shapes) only to drop it again is what ``shape`` avoids. It walks the body as ``msgspec.Raw``
-views, one level at a time, and decodes whole only the values of at most ``_SMALL`` bytes, one
-at a time, dropping each once judged::
+shapes) only to drop it again is what ``shape`` avoids. One msgspec pass decodes the top-level
+object into a struct that keeps only the conversation (``messages``, ``input``, ``contents``) as
+a list of ``_Node`` structs and ``system``; each node holds the fields the verdict reads
+(``_fingerprint._NODE_KEYS``) as ``msgspec.Raw`` views into the body, every other field is
+skipped (checked, not built). A node's ``content`` that is a string or ``null`` is judged by
+its first byte; an array or object is decoded the same way, one at a time::
 
     found = shape(raw)        # Shape(text_comparable=..., conversation="messages"), or None
     if found is None:         # only the full parse can tell: parse as before (_parse.parse_body)
         ...
 
-``shape`` answers only when the full parse would have succeeded with msgspec (the same
-decoder decodes every piece), and then its verdict is ``text_comparable`` of that parse: the
-walk hands ``_fingerprint``'s own walk each decoded piece, and for a larger value a stand-in
-it judges the same way (a long string is ``""``, a long array ``[]`` or ``[0]`` after its
-elements were judged, a long object only the keys the walk reads). Whatever it cannot vouch
-for returns ``None``: not an object at the top, invalid JSON or UTF-8, what only the standard
-library accepts (``NaN``, lone surrogate escapes, huge numbers), and an object whose entries do
-not add up to its bytes (a duplicate key, whose dropped value the full parse would still
-have checked, whitespace between tokens, a key spelled with escapes).
+``shape`` answers only when the full parse (``_json.loads``) would succeed, and then its
+verdict is ``text_comparable`` of that parse: msgspec checks the syntax of every byte as it
+skips, the UTF-8 of the whole body is checked once (``_utf8``, skipping ASCII runs), and a run
+of digits longer than ``int()`` converts is left to the full parse (``_long_digit_run``).
+Whatever it cannot vouch for returns ``None``: not an object at the top, invalid JSON or UTF-8,
+what only the standard library accepts (``NaN``, lone surrogate escapes), a body nested past
+msgspec's depth limit. Duplicate keys are decoded as the full parse does: the last one counts,
+the others are checked like any value.
 
-Memory: the raw views of the levels being walked and one decoded piece: at most one
-value per comma of the body (``_COMMA_COST`` each), and the piece's strings. ``lazy_cost`` bounds both before
-anything is decoded; a body whose bound exceeds ``LAZY_RATIO`` times its size is left to
-the full parse and its own bound (``_parse.parse_body``: over it, the middleware forwards the
-body unparsed and not comparable, unless the app asked for the parse: 413 ``body_too_complex``).
+Memory: the walk counts what it holds as it decodes it (``_Node.__post_init__``: a node and its
+views; a piece decoded whole, what ``_parse.parse_cost`` says it takes) and gives up (``None``: the
+full parse decides, within its own bound) past ``lazy_cost``, the budget charged before it runs.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Awaitable, Callable
+import itertools
+import operator
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
+import msgspec.structs
 
 from . import _json
 from ._exceptions import MalformedBody
-from ._fingerprint import _CONVERSATION_KEYS, _NODE_KEYS, judge, text_comparable
-from ._parse import PARSE_SLACK, charge_for, offload, parse_body
+from ._fingerprint import _CONVERSATION_KEYS, _OPAQUE_TYPES, _TEXT_TYPES, judge
+from ._parse import PARSE_SLACK, charge_for, offload, parse_body, parse_cost
 
-__all__ = ["LAZY_RATIO", "DeferredParse", "Shape", "inspect_body", "lazy_cost", "shape"]
+T = TypeVar("T")
 
-LAZY_RATIO: Final = 4
-"""A body and the lazy walk's working set together may take at most this many times its size (+ PARSE_SLACK)."""
+__all__ = ["LAZY_RATIO", "DeferredParse", "Shape", "inspect_body", "lazy_cost", "locate", "shape"]
+
+LAZY_RATIO: Final = 2
+"""A body and the lazy walk's working set together take at most this many times its size (+ PARSE_SLACK):
+the walk gives up past ``lazy_cost``."""
 
 _SMALL: Final = 64 * 1024
-"""Values of at most this many bytes are decoded whole (one at a time); larger ones a level at a time."""
-_COMMA_COST: Final = 256
-"""Bytes per comma of the body: each one separates at most one value, which the walk holds as a view
-(a ``Raw`` of 48 bytes and its list slot, or its dict entry and key) or as one object of a decoded
-piece (192 for a dict with its keys); never both for the same comma."""
-_TEXT_COST: Final = 5
-"""Bytes per byte of a decoded piece's strings: 4 for ASCII text stored at 4 bytes per character, and
-msgspec's scratch copy to unescape one."""
-_DEPTH_COST: Final = 256 * 1024
-"""Containers nested without a comma between them, down to msgspec's depth limit."""
+"""Bodies of at most this many bytes are parsed whole (it costs as little); inside a large body, an
+array or object of at most this many bytes that is not a list of objects is decoded whole."""
+_UNIT: Final = 48
+"""What the walk counts in: a ``msgspec.Raw`` view as tracemalloc sees msgspec build it. A ``_Node``
+(72) with its list slot takes two, and one more per view it holds."""
+_VIEW_COST: Final = 64
+"""Bytes per element of a large array that is not a list of objects, held as views: a ``msgspec.Raw``
+(48) and its list slot, rounded up."""
 _NAME: Final = 256
-"""Strings up to this many bytes are decoded whatever ``_SMALL`` is: a part type's name must be read."""
-_UTF8_STEP: Final = 64 * 1024
-_TOP_KEYS: Final = frozenset({*_CONVERSATION_KEYS, "system"})
+"""A part type's name is at most this many bytes (a text type's name, every character escaped)."""
+_UTF8_STEP: Final = 4 * 1024
+_MAX_CANDIDATES: Final = 16
+_DIGITS: Final = b"0123456789"
 _WHITESPACE: Final = b" \t\n\r"
-_QUOTE, _ARRAY, _OBJECT = ord('"'), ord("["), ord("{")
+_QUOTE, _ARRAY, _OBJECT, _NULL = ord('"'), ord("["), ord("{"), ord("n")
 
-_objects = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_arrays = msgspec.json.Decoder(list[msgspec.Raw])
+_ABSENT: Final = msgspec.Raw(b"")
+"""A field's default: no JSON value is empty, so a field still holding it was not in the object."""
+
+
+class _Unsure(Exception):
+    """Only the full parse can tell."""
+
+
+class _Allowance(threading.local):
+    """How many more ``_UNIT`` the walk may take, per thread (walks of several requests run at once):
+    an iterator that runs dry past the budget, so that counting costs a node a few ``next()``."""
+
+    units: Iterator[None] = itertools.repeat(None, 0)
+
+
+_allowance: Final = _Allowance()
+
+
+def _grant(nbytes: int) -> None:
+    """Let the walk hold ``nbytes`` more (or give back what it no longer holds); ``_Unsure`` below 0."""
+    if nbytes < 0:
+        raise _Unsure
+    _allowance.units = itertools.repeat(None, nbytes // _UNIT)
+
+
+def _left() -> int:
+    return operator.length_hint(_allowance.units) * _UNIT
+
+
+def _decode(decoder: msgspec.json.Decoder[T], value: msgspec.Raw | bytes) -> T:
+    try:
+        return decoder.decode(value)
+    except StopIteration:  # _Node.__post_init__: over the budget
+        raise _Unsure from None
+
+
+class _Node(msgspec.Struct, gc=False):
+    """An object the verdict may look into: the fields ``_fingerprint``'s walk reads, as views."""
+
+    type: msgspec.Raw = _ABSENT
+    audio: msgspec.Raw = _ABSENT
+    content: msgspec.Raw = _ABSENT
+    output: msgspec.Raw = _ABSENT
+    parts: msgspec.Raw = _ABSENT
+    text: msgspec.Raw = _ABSENT
+    tool_calls: msgspec.Raw = _ABSENT
+
+    def __post_init__(self) -> None:
+        # msgspec calls this as it decodes each node: the walk's memory is counted as it grows
+        # (StopIteration past the budget). The node, its slot and a view; then any other view.
+        units = _allowance.units
+        next(units), next(units), next(units)
+        absent = _ABSENT
+        if (
+            self.type is not absent
+            or self.audio is not absent
+            or self.output is not absent
+            or self.parts is not absent
+            or self.text is not absent
+            or self.tool_calls is not absent
+        ):
+            for _ in range(6 - msgspec.structs.astuple(self).count(absent)):
+                next(units)
+
+
+class _Top(msgspec.Struct, gc=False):
+    """The top-level object, as the verdict reads it; any other key is skipped."""
+
+    messages: list[_Node] | msgspec.UnsetType = msgspec.UNSET
+    input: list[_Node] | msgspec.UnsetType = msgspec.UNSET
+    contents: list[_Node] | msgspec.UnsetType = msgspec.UNSET
+    system: msgspec.Raw = _ABSENT
+
+
+class _TopViews(msgspec.Struct, gc=False):
+    """The same keys as views, whatever they hold (a string ``input``, a list of strings...)."""
+
+    messages: msgspec.Raw = _ABSENT
+    input: msgspec.Raw = _ABSENT
+    contents: msgspec.Raw = _ABSENT
+    system: msgspec.Raw = _ABSENT
+
+
+_tops = msgspec.json.Decoder(_Top)
+_top_views = msgspec.json.Decoder(_TopViews)
+_nodes = msgspec.json.Decoder(list[_Node])
+_node = msgspec.json.Decoder(_Node)
+_views = msgspec.json.Decoder(list[msgspec.Raw])
+_names = msgspec.json.Decoder(str)
+_whole = msgspec.json.Decoder(msgspec.Raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +171,6 @@ class Shape:
     """``_fingerprint.text_comparable`` of the full parse."""
     conversation: str | None
     """``Conversation.of``'s key: the first of ``messages``, ``input``, ``contents`` holding an array."""
-    span: tuple[int, int] | None = None
-    """Where that array is in the body: ``raw[start:end]`` is its JSON, ``[`` to ``]``."""
 
 
 class DeferredParse:
@@ -87,7 +180,7 @@ class DeferredParse:
     It holds no part of the body: the caller passes the body to ``parse``.
     """
 
-    __slots__ = ("conversation", "span", "shaped", "_charge")
+    __slots__ = ("conversation", "shaped", "_charge")
 
     def __init__(self, found: Shape | None, charge: Callable[[int], Awaitable[None]]) -> None:
         self.shaped = found is not None
@@ -95,8 +188,6 @@ class DeferredParse:
         conversation is unknown, and ``parse`` refuses it (413)."""
         self.conversation = found.conversation if found is not None else None
         """``Shape.conversation``: the key of the conversation array, if any."""
-        self.span = found.span if found is not None else None
-        """``Shape.span``: where that array is in the body."""
         self._charge = charge
 
     async def parse(self, raw: bytes) -> Any:
@@ -107,117 +198,222 @@ class DeferredParse:
         except _json.JSONDecodeFailure:  # the walk vouched for it: a body that is not this one
             raise MalformedBody("request body is not valid JSON", code="invalid_json") from None
 
+    async def locate(self, raw: bytes) -> tuple[int, int] | None:
+        """``locate(raw, conversation)``, in a worker thread for a large body."""
+        key = self.conversation
+        if key is None:
+            return None
+        return await offload(len(raw), lambda: locate(raw, key))
+
     def __repr__(self) -> str:
         return f"<DeferredParse conversation={self.conversation!r}>"
 
 
-class _Unsure(Exception):
-    """Only the full parse can tell."""
-
-
-def lazy_cost(raw: bytes) -> int | None:
-    """An upper bound of what ``shape(raw)`` allocates, or None when the body and that exceed
-    ``LAZY_RATIO`` times its size (then the full parse decides, within its own bound)."""
-    cost = _COMMA_COST * (raw.count(b",") + 2) + _TEXT_COST * min(_SMALL, len(raw)) + _DEPTH_COST
-    return cost if len(raw) + cost <= LAZY_RATIO * len(raw) + PARSE_SLACK else None
+def lazy_cost(raw: bytes) -> int:
+    """The most ``shape(raw)`` allocates: it gives up (None) rather than take more."""
+    return (LAZY_RATIO - 1) * len(raw) + PARSE_SLACK
 
 
 def shape(raw: bytes) -> Shape | None:
     """The verdict and conversation key of ``raw``, if the full parse would succeed; else None."""
+    _grant(lazy_cost(raw))
     try:
-        top = _objects.decode(raw)
-        lead, trail = _padding(raw)
-        _check_entries(raw, top, lead + trail)
-        spans = _spans(top, lead)
-        kept: dict[str, Any] = {}
-        while top:
-            name, value = top.popitem()  # each view goes as soon as it is judged
-            piece = _stand_in(value)
-            if name in _TOP_KEYS:
-                kept[name] = piece
-    except (_Unsure, msgspec.DecodeError, _json.JSONDecodeFailure, UnicodeDecodeError, RecursionError):
+        try:
+            found = _typed(_decode(_tops, raw))
+        except msgspec.ValidationError:  # a conversation that is not a list of objects, or not an object at all
+            _grant(lazy_cost(raw))  # the nodes decoded so far are gone
+            found = _viewed(_decode(_top_views, raw))
+        if not _utf8(raw) or _long_digit_run(raw):
+            return None
+    except (_Unsure, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
-    key = next((k for k in _CONVERSATION_KEYS if isinstance(kept.get(k), list)), None)
-    return Shape(text_comparable=text_comparable(kept), conversation=key, span=spans.get(key) if key else None)
+    finally:
+        _grant(0)
+    return found
 
 
 async def inspect_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) -> Shape | None:
     """``shape(raw)`` within its bound, charged first (``charge(total)`` as in ``parse_body``), in a
     worker thread for a large body. None for a small body (its full parse costs as little) and
-    for one the lazy walk cannot vouch for or bound: parse it."""
+    for one the lazy walk cannot vouch for: parse it."""
     size = len(raw)
     if size <= _SMALL:
         return None
-    cost = await offload(size, lambda: lazy_cost(raw))
-    if cost is None:
-        return None
-    await charge(charge_for(size, cost))
+    await charge(charge_for(size, lazy_cost(raw)))
     return await offload(size, lambda: shape(raw))
 
 
-def _padding(raw: bytes) -> tuple[int, int]:
-    """Whitespace bytes before and after the top-level value (a trailing newline, say)."""
-    start, end = 0, len(raw)
-    while start < end and raw[start] in _WHITESPACE:
-        start += 1
-    while end > start and raw[end - 1] in _WHITESPACE:
-        end -= 1
-    return start, len(raw) - end
+def _typed(top: _Top) -> Shape:
+    """The verdict of a body whose conversation decoded as nodes (the common case)."""
+    for key in _CONVERSATION_KEYS:
+        nodes = getattr(top, key)
+        if nodes is not msgspec.UNSET:
+            comparable = _nodes_comparable(nodes) and (top.system is _ABSENT or _comparable(top.system))
+            return Shape(text_comparable=comparable, conversation=key)
+    return Shape(text_comparable=False, conversation=None)
 
 
-def _spans(entries: dict[str, msgspec.Raw], lead: int) -> dict[str, tuple[int, int]]:
-    """Where the conversation keys' values are in a compact object (``_check_entries``) after ``lead`` bytes."""
-    spans: dict[str, tuple[int, int]] = {}
-    at = lead + 1
-    for name, value in entries.items():
-        at += len(_json.dumps(name)) + 1
-        if name in _CONVERSATION_KEYS:
-            spans[name] = (at, at + len(value))
-        at += len(value) + 1
-    return spans
+def _viewed(top: _TopViews) -> Shape:
+    """The verdict when some conversation key holds something else than a list of objects."""
+    key = next((k for k in _CONVERSATION_KEYS if getattr(top, k) is not _ABSENT), None)
+    conversation = next((k for k in _CONVERSATION_KEYS if _first(getattr(top, k)) == _ARRAY), None)
+    if key is None:
+        return Shape(text_comparable=False, conversation=conversation)
+    comparable = _comparable(getattr(top, key)) and (top.system is _ABSENT or _comparable(top.system))
+    return Shape(text_comparable=comparable, conversation=conversation)
 
 
-def _check_entries(source: Any, entries: dict[str, msgspec.Raw], padding: int = 0) -> None:
-    """``_Unsure`` unless ``source`` (an object's bytes) is exactly its entries, compactly: no
-    duplicate key was dropped, no whitespace or escaped key hides one."""
-    written = sum(len(_json.dumps(name)) + 1 + len(value) for name, value in entries.items())
-    if 2 + written + max(0, len(entries) - 1) + padding != len(source):
-        raise _Unsure
+def _first(value: msgspec.Raw) -> int:
+    """The first byte of a value's JSON (``-1`` for an absent field)."""
+    return memoryview(value)[0] if value is not _ABSENT else -1
 
 
-def _stand_in(value: msgspec.Raw) -> Any:
-    """``value`` decoded, or for a large one a stand-in the verdict judges alike; validates it all."""
-    view = memoryview(value)  # what _json's error handling can slice, unlike a Raw
-    if len(view) <= _SMALL:
-        return _json.loads_fast(view)
-    first = view[0]
-    if first == _QUOTE and len(view) > _NAME:
-        _check_utf8(view)  # the skim checked the escapes, not the UTF-8
-        return ""  # judged as any string: a leaf, and no text type's name
-    if first == _ARRAY:
-        items = _arrays.decode(value)
-        items.reverse()
-        comparable = True
-        while items:
-            piece = _stand_in(items.pop())
-            comparable = comparable and judge(piece)
-        return [] if comparable else [0]
-    if first == _OBJECT:
-        entries = _objects.decode(value)
-        _check_entries(view, entries)
-        kept: dict[str, Any] = {}
-        while entries:
-            name, item = entries.popitem()
-            piece = _stand_in(item)
-            if name in _NODE_KEYS:
-                kept[name] = piece
-        return kept
-    return _json.loads_fast(view)  # a long number
+def _nodes_comparable(nodes: list[_Node]) -> bool:
+    """``text_comparable``'s walk over a list of objects; the common message (a string or null
+    ``content``, no ``type`` or ``audio``) is judged here, the others by ``_node_comparable``."""
+    for node in nodes:
+        content = node.content
+        if node.type is _ABSENT and node.audio is _ABSENT and content is not _ABSENT:
+            first = memoryview(content)[0]
+            if first == _QUOTE or first == _NULL:
+                continue
+        if not _node_comparable(node):
+            return False
+    return True
 
 
-def _check_utf8(view: memoryview) -> None:
-    """``UnicodeDecodeError`` unless ``view`` is UTF-8, decoded ``_UTF8_STEP`` bytes at a time and dropped."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    for start in range(0, len(view), _UTF8_STEP):
-        decoder.decode(view[start : start + _UTF8_STEP])
-    decoder.decode(b"", True)
+def _node_comparable(node: _Node) -> bool:
+    """``text_comparable``'s walk from an object (``_fingerprint._comparable``, one branch per rule)."""
+    if node.type is not _ABSENT:
+        name = _name(node.type)
+        if name not in _TEXT_TYPES:
+            return False
+        if name in _OPAQUE_TYPES:
+            return True
+    if node.audio is not _ABSENT and _first(node.audio) != _NULL:
+        return False
+    for child in (node.content, node.output, node.parts):
+        if child is not _ABSENT:
+            return _comparable(child)
+    return _first(node.text) == _QUOTE or _first(node.tool_calls) == _ARRAY
+
+
+def _name(value: msgspec.Raw) -> str | None:
+    """A ``type`` value that may be a text type's name, decoded; None for any other."""
+    if _first(value) != _QUOTE or len(value) > _NAME:
+        return None
+    return _names.decode(value)
+
+
+def _comparable(value: msgspec.Raw) -> bool:
+    """``text_comparable``'s walk from any value: strings and null are, numbers and booleans are not;
+    an object or array is decoded (what it holds counted, and given back once judged)."""
+    first = _first(value)
+    if first == _QUOTE or first == _NULL:
+        return True
+    if first != _ARRAY and first != _OBJECT:
+        return False
+    left = _left()
+    try:
+        if first == _OBJECT:
+            return _node_comparable(_decode(_node, value))
+        try:
+            return _nodes_comparable(_decode(_nodes, value))
+        except msgspec.ValidationError:  # not only objects: a list of strings, of lists...
+            pass
+        if len(value) <= _SMALL:
+            piece = bytes(value)
+            _grant(left - len(piece) - parse_cost(piece))
+            return judge(_json.loads_fast(piece))
+        _grant(left - len(value))  # a copy, to count its commas: one view per element at most
+        _grant(left - _VIEW_COST * (bytes(value).count(b",") + 1))
+        for item in _views.decode(value):
+            if not _comparable(item):
+                return False
+        return True
+    except _json.JSONDecodeFailure:  # the standard library's numbers: the full parse decides
+        raise _Unsure from None
+    finally:
+        _grant(left)  # what was decoded here is gone
+
+
+def _utf8(raw: bytes) -> bool:
+    """Whether ``raw`` is UTF-8: ``UnicodeDecodeError`` if not. Runs of ``_UTF8_STEP`` ASCII bytes
+    are skipped (``bytes.isascii`` is many times faster than decoding); the rest is decoded a step at
+    a time, a character cut at a step's end carried into the next."""
+    if raw.isascii():
+        return True
+    carry = b""
+    for start in range(0, len(raw), _UTF8_STEP):
+        step = raw[start : start + _UTF8_STEP]
+        if carry:
+            step = carry + step
+        elif step.isascii():
+            continue
+        _, used = codecs.utf_8_decode(step, "strict", False)
+        carry = step[used:]
+    return not carry
+
+
+def _long_digit_run(raw: bytes) -> bool:
+    """Whether ``raw`` holds a run of more digits than ``int()`` converts (the full parse refuses
+    such an integer; in a string it is harmless, but only the parse can tell the two apart).
+
+    Every run of ``limit + 1`` digits covers a multiple of ``limit + 1``: only the runs through
+    those bytes are measured (a few microseconds for a body without such runs)."""
+    limit = sys.get_int_max_str_digits()
+    if not limit:
+        return False
+    step = limit + 1
+    for index, byte in enumerate(raw[::step]):
+        if 0x30 <= byte <= 0x39:
+            at = index * step
+            before = raw[max(0, at - limit) : at]
+            after = raw[at : at + step]
+            if len(before) - len(before.rstrip(_DIGITS)) + len(after) - len(after.lstrip(_DIGITS)) > limit:
+                return True
+    return False
+
+
+def locate(raw: bytes, key: str) -> tuple[int, int] | None:
+    """Where the array under the top-level ``key`` is in ``raw`` (``raw[start:end]`` is its JSON,
+    ``[`` to ``]``; of a key written twice, the last, which the parse keeps), or None when it cannot tell.
+
+    Its bytes (a view, from a pass that builds nothing else) are looked for after each ``"key":``,
+    the way such a key is written outside a string; the one found must be the top-level key (what
+    precedes it, closed with one more entry, is a whole object) and the last one there. An escaped
+    spelling, or whitespace before the colon: None (the caller parses)."""
+    try:
+        value = getattr(_top_views.decode(raw), key)
+        if _first(value) != _ARRAY:
+            return None
+        marker = _json.dumps(key) + b":"
+        at = raw.find(marker)
+        for _ in range(_MAX_CANDIDATES):
+            if at < 0:
+                return None
+            start = at + len(marker)
+            end = start + len(value)
+            if raw.startswith(value, start) and _top_level(raw, at) and _last(raw, end, key):
+                return start, end
+            at = raw.find(marker, start)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return None
+
+
+def _top_level(raw: bytes, at: int) -> bool:
+    """Whether a key starting at ``raw[at]`` is one of the top-level object's own."""
+    try:
+        _whole.decode(raw[:at] + b'"":0}')
+    except msgspec.DecodeError:  # a container left open: the key was nested
+        return False
+    return True
+
+
+def _last(raw: bytes, end: int, key: str) -> bool:
+    """Whether no ``key`` follows in the top-level object after its value ending at ``raw[end]``."""
+    rest = raw[end:].lstrip(_WHITESPACE)
+    if rest[:1] != b",":
+        return True  # the closing brace
+    return getattr(_top_views.decode(b"{" + rest[1:]), key) is _ABSENT

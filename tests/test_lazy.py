@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import tracemalloc
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 from unittest import mock
 
@@ -15,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asgi_lifetime import _json, _lazy
-from asgi_lifetime._fingerprint import text_comparable
-from asgi_lifetime._lazy import Shape, lazy_cost, shape
+from asgi_lifetime._fingerprint import _NODE_KEYS, text_comparable
+from asgi_lifetime._lazy import Shape, lazy_cost, locate, shape
 from asgi_lifetime.gateway._refold import Conversation
 
 from .test_fingerprint import _NODES, CORPUS, _bodies, _twisted
@@ -32,32 +33,60 @@ def reference(raw: bytes) -> Shape | None:
     return Shape(text_comparable(parsed), conversation.key if conversation is not None else None)
 
 
+class _Refusing:
+    """A decoder whose every decode fails validation: the walk takes its other path."""
+
+    def decode(self, value: Any) -> Any:
+        raise msgspec.ValidationError("refused")
+
+
+_NEVER = _Refusing()
+
+# Each path of the walk, forced: the typed top-level pass failing (the views of each key instead),
+# arrays of objects failing (decoded whole, or as views), and nothing decoded whole.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "typed": {},
+    "views at the top": {"_tops": _NEVER},
+    "no node lists": {"_nodes": _NEVER},
+    "no piece whole": {"_nodes": _NEVER, "_SMALL": 0},
+}
+
+
 @contextmanager
-def small(limit: int) -> Iterator[None]:
-    """Decode whole only values of at most ``limit`` bytes: small bodies take the piecewise walk too."""
-    with mock.patch.object(_lazy, "_SMALL", limit):
+def configured(name: str) -> Iterator[None]:
+    with ExitStack() as stack:
+        for attribute, value in CONFIGS[name].items():
+            stack.enter_context(mock.patch.object(_lazy, attribute, value))
         yield
 
 
-LIMITS = (0, 4, 16, 64, 1 << 20)
+def splices(raw: bytes, key: str, span: tuple[int, int]) -> None:
+    """What the gateway does with a span: an item inserted there lands first in the conversation the
+    full parse reads, and nothing else changes."""
+    start, end = span
+    assert raw[start : start + 1] == b"[" and raw[end - 1 : end] == b"]"
+    empty = raw[start + 1 : end - 1].strip(b" \t\n\r") == b""
+    spliced = raw[: start + 1] + b'"inserted"' + (b"" if empty else b",") + raw[start + 1 :]
+    before, after = _json.loads(raw), _json.loads(spliced)
+    assert after.pop(key) == ["inserted", *before.pop(key)]
+    assert after == before
 
 
 def agrees(raw: bytes) -> list[Shape | None]:
-    """``shape(raw)`` at each limit; each answer is the full parse's, or None."""
+    """``shape(raw)`` on each path; each answer is the full parse's, or None. Where the conversation
+    is located (``locate``), an item spliced there lands in the conversation the parse reads."""
     expected = reference(raw)
     answers = []
-    for limit in LIMITS:
-        with small(limit):
+    for name in CONFIGS:
+        with configured(name):
             got = shape(raw)
         if got is not None:
-            assert expected is not None, (limit, raw[:200])
-            assert (got.text_comparable, got.conversation) == (expected.text_comparable, expected.conversation)
-            if got.span is not None:  # where the conversation array is: what a preparer splices into
-                assert got.conversation is not None
-                assert _json.loads(raw[got.span[0] : got.span[1]]) == _json.loads(raw)[got.conversation]
-            else:
-                assert got.conversation is None
+            assert got == expected, (name, raw[:200])
         answers.append(got)
+    if expected is not None and expected.conversation is not None:
+        span = locate(raw, expected.conversation)
+        if span is not None:
+            splices(raw, expected.conversation, span)
     return answers
 
 
@@ -176,58 +205,93 @@ def test_hostile_bodies(raw: bytes) -> None:
     agrees(raw)
 
 
-def test_duplicate_keys_leave_the_decision_to_the_full_parse() -> None:
+def test_duplicate_keys_count_as_the_full_parse_counts_them() -> None:
     raw = b'{"messages":[{"type":"image"}],"messages":[{"role":"user","content":"hi"}]}'
-    with small(0):
-        assert shape(raw) is None
     assert reference(raw) == Shape(True, "messages")  # the last one counts, as upstream parsers do
+    assert all(answer == Shape(True, "messages") for answer in agrees(raw))
+    assert locate(raw, "messages") == (raw.rindex(b"["), len(raw) - 1)
+
+
+def test_the_walk_reads_the_keys_the_verdict_reads() -> None:
+    assert frozenset(_lazy._Node.__struct_fields__) == _NODE_KEYS
 
 
 def test_a_many_turn_body_is_answered_without_its_parse() -> None:
     messages = [{"role": "user", "content": "some words " * 2000}, {"role": "assistant", "content": "ok é ’"}] * 40
     raw = compact({"model": "m", "messages": messages})
     assert len(raw) > 2 * _lazy._SMALL
-    found = shape(raw)
-    assert found is not None and (found.text_comparable, found.conversation) == (True, "messages")
-    assert found.span is not None and raw[found.span[0] : found.span[1]] == compact(messages)
-    assert lazy_cost(raw) is not None
+    assert shape(raw) == Shape(True, "messages")
+    span = locate(raw, "messages")
+    assert span is not None and raw[span[0] : span[1]] == compact(messages)
 
 
-def test_a_comma_per_few_bytes_is_left_to_the_full_parse() -> None:
-    """Each comma may separate two values the walk holds a view of: it cannot tell the text's commas apart."""
+def test_commas_in_the_text_cost_nothing() -> None:
+    """The walk holds views of what it reads, not one object per comma: a text full of commas is
+    judged without the parse (the estimate from the commas left it to the full parse)."""
     raw = compact({"messages": [{"role": "user", "content": "word, " * 20_000}]})
-    assert lazy_cost(raw) is None
+    assert peak_of(raw) == (Shape(True, "messages"), peak_of(raw)[1])
+    assert peak_of(raw)[1] < len(raw) // 4
 
 
-@pytest.mark.parametrize(
-    "raw",
-    [
-        b'{"messages":[' + b",".join([b"{}"] * 100_000) + b"]}",
-        b'{"messages":[' + b",".join([b"0"] * 100_000) + b"]}",
-        b"{" + b",".join(b'"k%d":0' % i for i in range(50_000)) + b"}",
-    ],
-)
-def test_dense_bodies_are_left_to_the_full_parse_and_its_bound(raw: bytes) -> None:
-    assert lazy_cost(raw) is None
+def peak_of(raw: bytes) -> tuple[Shape | None, int]:
+    """``shape(raw)`` and tracemalloc's peak while it ran."""
+    tracemalloc.start()
+    try:
+        found = shape(raw)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return found, peak
+
+
+DENSE = [
+    b'{"messages":[' + b",".join([b"{}"] * 100_000) + b"]}",
+    b'{"messages":[' + b",".join([b'{"content":[{"type":"text","text":""}]}'] * 30_000) + b"]}",
+    b'{"messages":[{"content":[' + b",".join([b"[0]"] * 100_000) + b"]}]}",
+    b'{"messages":[{"content":[' + b",".join([b'{"":{}}'] * 40_000) + b"]}]}",
+    b'{"input":[' + b",".join([b"[]"] * 100_000) + b"]}",
+]
+
+
+@pytest.mark.parametrize("raw", DENSE)
+def test_dense_bodies_are_left_to_the_full_parse_within_the_bound(raw: bytes) -> None:
+    """The walk counts what it builds as it builds it and gives up at its budget (``lazy_cost``)."""
+    found, peak = peak_of(raw)
+    assert found is None or found == reference(raw)
+    assert peak <= lazy_cost(raw), (peak, lazy_cost(raw), len(raw))
 
 
 def test_the_bound_holds_for_what_the_walk_takes() -> None:
     """tracemalloc's peak of the walk stays under ``lazy_cost``, for shapes around the bound."""
-    import tracemalloc
-
     bodies = [
         compact({"messages": [{"role": "user", "content": "x" * 300}] * 3000}),
         compact({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab" * 200}] * 3}] * 2000}),
         compact({"messages": [{"role": "user", "content": "λ" * 200_000}], "model": "x" * 100_000}),
         compact({"messages": [[[[["x" * 70_000] * 3] * 2]]]}),
+        compact({"input": [{"type": "message", "content": [[["x" * 10] * 20] * 30]}] * 300}),
     ]
     for raw in bodies:
-        cost = lazy_cost(raw)
-        assert cost is not None
-        tracemalloc.start()
-        try:
-            assert shape(raw) is not None
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        assert peak <= cost, (peak, cost, len(raw))
+        found, peak = peak_of(raw)
+        assert found is not None and found == reference(raw)
+        assert peak <= lazy_cost(raw), (peak, lazy_cost(raw), len(raw))
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b'{"messages":[1],"meta":{"messages":[1]}}', (12, 15)),
+        (b'{"meta":{"messages":[1]},"messages":[1]}', (36, 39)),
+        (b'{"meta":"\\"messages\\":[1]","messages":[1]}', (38, 41)),
+        (b'{"messages":[1],"messages":[1]}', (27, 30)),
+        (b'{"messages":[2],"messages":[1]}', (27, 30)),
+        (b'{"messages":[1],"\\u006dessages":[1]}', None),
+        (b'{"messages" : [1]}', None),
+        (b'{"messages":"x"}', None),
+        (b'{"messages":[ ]}', (12, 15)),
+        (b'{"messages":[1]', None),
+    ],
+)
+def test_locate_finds_the_top_level_array_the_parse_keeps(raw: bytes, expected: tuple[int, int] | None) -> None:
+    assert locate(raw, "messages") == expected
+    if expected is not None:
+        splices(raw, "messages", expected)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
@@ -36,6 +37,8 @@ from ._spill import SpilledBody  # at run time: typing.get_type_hints resolves P
 
 __all__ = ["ConversationView", "Draft", "Prepared", "Preparer", "prepare", "without_parse"]
 
+_INSIDE: Final = re.compile(rb"[ \t\n\r]*")
+"""The whitespace after an array's ``[``: if it reaches the ``]``, the array is empty."""
 _TRIM_EVERY: Final = TRIM_THRESHOLD
 """While a large changed body is serialized, give the freed parse back to the OS this often (bytes written)."""
 
@@ -133,13 +136,8 @@ class Draft:
         deferred = self._body
         if not isinstance(deferred, DeferredParse):
             return
-        parsed = await deferred.parse(raw)
-        if self._first or self._last:
-            items = parsed[deferred.conversation]
-            items[:0] = self._first
-            items.extend(self._last)
-            self._first, self._last = [], []
-        self._body = parsed
+        self._body = await _parsed_with(deferred, raw, self._first, self._last)
+        self._first, self._last = [], []
 
 
 class ConversationView:
@@ -339,9 +337,15 @@ async def prepare(
     graph = draft._close()
     if isinstance(graph, DeferredParse):
         # Nobody read the body: forward it as received, with the added messages spliced in.
-        body = _splice(raw, graph.span, first, last) if changed and graph.span is not None else raw
-        del raw
-        return _unchanged(body, graph.conversation, method=method, path=path, headers=_merge_headers(headers, extra))
+        body = await _forwarded_unparsed(raw, graph, first, last)
+        if body is not None:
+            del raw
+            return _unchanged(
+                body, graph.conversation, method=method, path=path, headers=_merge_headers(headers, extra)
+            )
+        # Where to splice could not be told without the parse (a key written with whitespace or
+        # escapes): build it (charged, bounded), with the added messages, and serialize it below.
+        graph = await _parsed_with(graph, raw, first, last)
     conversation = Conversation.of(graph)
     if conversation is not None and (refold_factory is not default_refold or remap_factory is not default_remap_role):
         # A custom factory gets the parse (and keeps it until retries settle): serialize it intact.
@@ -394,12 +398,33 @@ def _unchanged(
     return prepared
 
 
+async def _forwarded_unparsed(raw: bytes, deferred: DeferredParse, first: list[Any], last: list[Any]) -> bytes | None:
+    """The body to forward without its parse: as received, or with ``first`` and ``last`` spliced into
+    its conversation; None when where to splice cannot be told without the parse."""
+    if not (first or last):
+        return raw
+    span = await deferred.locate(raw)
+    return _splice(raw, span, first, last) if span is not None else None
+
+
+async def _parsed_with(deferred: DeferredParse, raw: bytes, first: list[Any], last: list[Any]) -> Any:
+    """The parse of ``raw`` with ``first`` and ``last`` added to its conversation."""
+    parsed = await deferred.parse(raw)
+    if not (first or last):
+        return parsed
+    items = parsed[deferred.conversation]
+    items[:0] = first
+    items.extend(last)
+    return parsed
+
+
 def _splice(raw: bytes, span: tuple[int, int], first: list[Any], last: list[Any]) -> bytes:
     """``raw`` with ``first`` and ``last`` serialized into the array at ``raw[span[0]:span[1]]``, in one copy."""
     start, end = span
     view = memoryview(raw)
     middle: list[bytes | memoryview] = [_json.dumps(item) for item in first]
-    if end - start > 2:  # not "[]": its items, as received
+    inside = _INSIDE.match(raw, start + 1)  # "[ \t\n\r]*" always matches
+    if inside is not None and inside.end() < end - 1:  # not "[]" nor "[ ]": its items, as received
         middle.append(view[start + 1 : end - 1])
     middle += [_json.dumps(item) for item in last]
     parts: list[bytes | memoryview] = [view[: start + 1]]

@@ -292,17 +292,27 @@ async def test_deferred_without_preparers_is_forwarded_unparsed(monkeypatch: pyt
     assert renamed is not None and json.loads(renamed)["messages"][1]["role"] == "model"
 
 
-@pytest.mark.parametrize("spelling", ["compact", "newline", "empty"])
+@pytest.mark.parametrize("spelling", ["compact", "newline", "empty", "empty, spaced", "spaced", "escaped", "twice"])
 async def test_a_without_parse_preparer_splices_into_the_received_bytes(
     monkeypatch: pytest.MonkeyPatch, spelling: str
 ) -> None:
+    """Into the bytes as received when the array can be located; where the key is written so that
+    it cannot (whitespace before the colon, escapes), the body is parsed and serialized instead."""
     from asgi_lifetime.gateway import without_parse
 
     doc = json.loads(LARGE)
-    if spelling == "empty":
+    if spelling.startswith("empty"):
         doc["messages"] = []
         doc["pad"] = "x" * 100_000
     raw = _json.dumps(doc) + (b"\n" if spelling == "newline" else b"")
+    if spelling == "empty, spaced":
+        raw = raw.replace(b'"messages":[]', b'"messages":[ \n]')
+    elif spelling == "spaced":
+        raw = raw.replace(b'"messages":', b'"messages" : ')
+    elif spelling == "escaped":
+        raw = raw.replace(b'"messages":', b'"\\u006dessages":')
+    elif spelling == "twice":  # the last one counts: the first, a copy, stays as it was
+        raw = raw.replace(b'{"model":"m",', b'{"model":"m","messages":' + _json.dumps(doc["messages"]) + b",")
     parses = spy_parse(monkeypatch)
 
     @without_parse
@@ -314,7 +324,6 @@ async def test_a_without_parse_preparer_splices_into_the_received_bytes(
         draft.headers["x-injected"] = "1"
 
     prepared = await run([inject], raw=raw, parsed=deferred(raw))
-    assert parses == []
     assert prepared.body is not None
     expected = dict(doc)
     expected["messages"] = [
@@ -324,7 +333,12 @@ async def test_a_without_parse_preparer_splices_into_the_received_bytes(
         {"role": "user", "content": "last"},
     ]
     assert json.loads(prepared.body) == expected
-    assert prepared.body.startswith(raw[: raw.index(b"[") + 1])  # the rest as received, not re-serialized
+    if spelling in ("spaced", "escaped"):
+        assert parses == [raw]
+    else:
+        assert parses == []
+        at = raw.rindex(b'"messages":') + len(b'"messages":[')
+        assert prepared.body.startswith(raw[:at])  # the rest as received, not re-serialized
     assert ("x-injected", "1") in prepared.headers
 
 
