@@ -122,7 +122,7 @@ _TEXT_TYPES: Final = frozenset(
 # Tool calls: comparable without looking inside; their arguments are the tool's own JSON,
 # where a "type" key means nothing to us.
 _OPAQUE_TYPES: Final = frozenset({"tool_use", "function_call"})
-# The keys of an object the walk reads (``_lazy`` keeps only these of an object it does not decode whole).
+# The keys of an object the walk reads (``_lazy._Node`` holds only these of an object it looks into).
 _NODE_KEYS: Final = frozenset({"type", "audio", "content", "output", "parts", "text", "tool_calls"})
 _LEAVES: Final = (str, type(None))  # comparable as they stand
 
