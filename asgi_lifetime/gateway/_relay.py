@@ -424,37 +424,50 @@ class _Relay:
         """Relay ``response``'s bytes until it ends; raises ``_Stalled`` or the httpx error that ended it."""
         iterator = response.aiter_raw()
         finished = False  # the chain of stream generators ended (its end, an error, a cancellation)
-        # One stall scope for the whole response, armed only while waiting for the upstream (its
-        # deadline is pushed back before each read and lifted while the chunk is sent): a scope of
-        # its own per chunk cost more than the rest of relaying that chunk.
-        stall = anyio.CancelScope()
+        chunk = b""
         try:
-            with stall:
-                while True:
-                    self.waiting = finished = True
-                    stall.deadline = anyio.current_time() + self.stall_timeout
-                    try:
-                        chunk = await iterator.__anext__()
-                    except StopAsyncIteration:
-                        return
-                    finally:
-                        self.waiting = False
-                        stall.deadline = math.inf  # a slow client is not a stalled upstream
-                    finished = False
-                    if not chunk:
-                        continue
-                    if self.first_byte_at is None:
-                        self.first_byte_at = time.monotonic()
-                        if self.on_first_byte is not None:
-                            self.on_first_byte()
-                    async with self.lock:
-                        await self._on_chunk(chunk)
-                    del chunk  # hold no chunk while waiting for the next one
-            # Only the stall deadline ends the loop without a return or an exception.
-            raise _Stalled
+            while True:
+                # One stall scope for the whole response, armed only while waiting for the upstream (its
+                # deadline is pushed back before each read and lifted while the chunk is sent): a scope of
+                # its own per chunk cost more than the rest of relaying that chunk.
+                stall = anyio.CancelScope()
+                with stall:
+                    while True:
+                        self.waiting = finished = True
+                        stall.deadline = anyio.current_time() + self.stall_timeout
+                        try:
+                            chunk = await iterator.__anext__()
+                        except StopAsyncIteration:
+                            return
+                        finally:
+                            self.waiting = False
+                            stall.deadline = math.inf  # a slow client is not a stalled upstream
+                        finished = False
+                        if stall.cancel_called:
+                            break
+                        await self._forward(chunk)
+                        chunk = b""  # hold no chunk while waiting for the next one
+                if stall.cancelled_caught:
+                    raise _Stalled
+                # The deadline passed as this chunk arrived: the deadline's cancel ran before the reading task
+                # resumed (trio's socket read ends in a shielded checkpoint; asyncio's timer may run before the
+                # task's wake-up under load). The chunk came in time, but the scope stays cancelled (a cancel
+                # cannot be undone) and would cancel its sending: it is relayed outside, and a new scope follows.
+                await self._forward(chunk)
+                chunk = b""
         finally:
             self.waiting = False
             await stop_reading(response, iterator, finished=finished)
+
+    async def _forward(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        if self.first_byte_at is None:
+            self.first_byte_at = time.monotonic()
+            if self.on_first_byte is not None:
+                self.on_first_byte()
+        async with self.lock:
+            await self._on_chunk(chunk)
 
     async def _on_chunk(self, chunk: bytes) -> None:
         """Send the whole events ``chunk`` completes; hold the unfinished one (or stream it through if too large)."""

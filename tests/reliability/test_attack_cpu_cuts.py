@@ -1,0 +1,320 @@
+"""The per-request CPU cuts attacked by someone who did not write them.
+
+- the SSE guard's skip of events that "cannot be terminal or an error" after content
+  (``StreamFormat.inert``): hostile spellings, SSE framings and chunkings, compared with a tracker
+  that parses every event, and end to end with the ``openai`` and ``anthropic`` SDKs;
+- the relay's one stall scope per response: a chunk that arrives as the deadline passes, drips,
+  bursts then silence, a slow client, keep-alives around a dripped event;
+- the upstream URL cache, the cookie-less client, the cached metrics children.
+
+Real sockets where it matters: the gateway under uvicorn (``running``) in front of a raw-socket
+upstream (``tests/gateway/_raw_upstream.py``); every such test ends with ``assert_idle``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asgi_lifetime.gateway._sse import SSETracker
+
+from ..gateway.test_relay import DONE, HELLO, ROLE, SSE_HEADERS, STOP, Client, Upstream, run, upstream_response
+
+# -- the relay's stall scope -------------------------------------------------------------------
+
+
+class _ArrivesAtTheDeadline(Upstream):
+    """Its last chunk is read before the stall deadline, but the reading task resumes only after it.
+
+    That is what a real read does when the deadline falls in the same event-loop turn as the data:
+    trio's socket read ends in a shielded checkpoint after ``recv`` succeeded, and asyncio may run
+    the deadline's timer before the reading task's wake-up (a loop lagging under load). The relay
+    must relay the chunk, as it did with a scope per read: the data came in time.
+    """
+
+    def __init__(self, *chunks: bytes, lag: float) -> None:
+        super().__init__()
+        self.chunks = list(chunks)
+        self.lag = lag
+
+    async def __anext__(self) -> bytes:
+        if not self.chunks:
+            raise StopAsyncIteration
+        item = self.chunks.pop(0)
+        if not self.chunks:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(self.lag)  # the data is in hand; the deadline passes meanwhile
+        return item
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [True, False])
+async def test_a_chunk_read_as_the_stall_deadline_passes_is_relayed(sse_stream: bool) -> None:
+    # One stall scope per response: its deadline was lifted after the read, but a cancel that already
+    # ran cannot be undone, so the scope cancelled the sending of a chunk that had arrived: the
+    # client got upstream_stalled instead of the stream's end (outcome "stalled"); a plain body was cut.
+    stream = _ArrivesAtTheDeadline(ROLE + HELLO, STOP + DONE, lag=0.3)
+    headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
+    client = Client()
+    result = await run(upstream_response(stream, headers=headers), client, stall_timeout=0.2)
+    assert result.outcome == "complete" and client.ended
+    assert client.body == ROLE + HELLO + STOP + DONE
+    assert stream.closed
+
+
+@pytest.mark.anyio
+async def test_after_a_chunk_at_the_deadline_the_stall_guard_still_works() -> None:
+    # The chunk that came as the deadline passed is relayed outside the spent scope; the next silence
+    # is still a stall.
+    class ThenSilence(_ArrivesAtTheDeadline):
+        async def __anext__(self) -> bytes:
+            if len(self.chunks) == 1:
+                item = self.chunks.pop(0)
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(self.lag)
+                return item
+            await anyio.sleep(30)
+            raise StopAsyncIteration
+
+    stream = ThenSilence(ROLE + HELLO, lag=0.3)
+    client = Client()
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=0.2)
+    assert result.outcome == "stalled"
+    assert client.body.startswith(ROLE + HELLO)
+    assert client.error_event()["code"] == "upstream_stalled"
+
+
+# -- the SSE guard's skip after content, against a tracker that parses every event --------------
+
+CONTENT = {
+    "openai-chat": (
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"},"finish_reason":null}]}\n\n'
+    ),
+    "openai-responses": (
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"Hi"}\n\n'
+    ),
+    "anthropic-messages": (
+        b'event: message_start\ndata: {"type":"message_start","message":{"stop_reason":null}}\n\n'
+        b'event: content_block_delta\ndata: {"type":"content_block_delta'
+        b'","delta":{"type":"text_delta","text":"Hi"}}\n\n'
+    ),
+    "gemini": b'data: {"candidates":[{"content":{"parts":[{"text":"Hi"}]}}]}\n\n',
+}
+
+
+def _verdict(tracker: SSETracker) -> tuple[object, ...]:
+    return (
+        tracker.starved,
+        tracker.judged,
+        tracker.saw_content,
+        tracker.saw_terminal,
+        tracker.saw_natural_stop,
+        tracker.saw_error,
+        tracker.error_message,
+        tracker.events,
+        tracker.parser.at_boundary,
+        tracker.parser.mid_event,
+    )
+
+
+def _judge(raw: bytes, cuts: list[int], *, keep_text: bool) -> SSETracker:
+    tracker = SSETracker(keep_text=keep_text)
+    start = 0
+    for cut in [*sorted(set(cuts)), len(raw)]:
+        tracker.feed(raw[start:cut])
+        start = cut
+    return tracker
+
+
+# Events an upstream may send after content that look like ordinary content to a byte scan, in every
+# spelling the brief of the attack named: error objects inside content events, event names and types
+# that disagree, escapes, duplicate keys, ``data:`` without its space, multi-line data, CR/CRLF/LF,
+# comments, id and retry fields.
+HOSTILE = {
+    "chat-error-beside-choices": b'data: {"choices":[{"delta":{"content":"x"}}],"error":{"message":"boom"}}\n\n',
+    "chat-error-escaped-key": b'data: {"choices":[],"\\u0065rror":{"message":"boom"}}\n\n',
+    "chat-error-escaped-word": b'data: {"choices":[],"err\\u006fr":{"message":"boom"}}\n\n',
+    "chat-type-error-escaped": b'data: {"type":"\\u0065rror","message":"boom"}\n\n',
+    "chat-finish-no-space-data": b'data:{"choices":[{"delta":{},"finish_reason":"stop"}]}\n\n',
+    "chat-finish-multiline": b'data: {"choices":[{"delta":{},\ndata: "finish_reason":"stop"}]}\n\n',
+    "chat-finish-split-key-value": b'data: {"choices":[{"finish_reason":\ndata: "stop"}]}\n\n',
+    "chat-finish-null-then-value-lines": (
+        b'data: {"choices":[{"finish_reason":null}\ndata: ,{"finish_reason":"stop"}]}\n\n'
+    ),
+    "chat-finish-cr": b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\r\r',
+    "chat-finish-crlf": b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\r\n\r\n',
+    "chat-finish-comment-id-retry": b': hi\nid: 7\nretry: 10\ndata: {"choices":[{"finish_reason":"stop"}]}\n\n',
+    "chat-finish-tab": b'data: {"choices":[{"finish_reason":\t"stop"}]}\n\n',
+    "chat-null-dup-later-value": b'data: {"choices":[{"finish_reason":null,"delta":{},"finish_reason":"length"}]}\n\n',
+    "chat-done-no-space": b"data:[DONE]\n\n",
+    "chat-done-cr": b"data: [DONE]\r\n\r\n",
+    "chat-done-cr-only": b"data: [DONE]\r\r",
+    "chat-done-trailing-cr-in-value": b"data: [DONE]\r\n\n",
+    "anthropic-name-delta-type-error": (
+        b'event: content_block_delta\ndata: {"type":"error","error'
+        b'":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
+    ),
+    "anthropic-name-error-type-delta": (
+        b'event: error\ndata: {"type":"content_block_delta","delta":{"type":"text_delta","text":"x"}}\n\n'
+    ),
+    "anthropic-name-stop-type-delta": (
+        b'event: message_stop\ndata: {"type":"content_block_delta","delta":{"type":"text_delta","text":"x"}}\n\n'
+    ),
+    "anthropic-name-delta-type-stop": b'event: content_block_delta\ndata: {"type":"message_stop"}\n\n',
+    "anthropic-escaped-stop-type": b'event: content_block_delta\ndata: {"type":"message_\\u0073top"}\n\n',
+    "anthropic-escaped-stop-reason": (
+        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_\\u0072eason":"end_turn"}}\n\n'
+    ),
+    "anthropic-event-name-cr": b'event: message_stop\rdata: {"type":"message_stop"}\r\r',
+    "gemini-error-beside-candidates": (
+        b'data: {"candidates":[{"content":{"parts":[{"text":"x"}]}}],"error":{"code":500,"message":"boom"}}\n\n'
+    ),
+    "gemini-finish-late-key": (
+        b'data: {"candidates":[{"content":{"parts":[{"text":"x"}]},"index":0,"finishReason":"STOP"}]}\n\n'
+    ),
+    "gemini-finish-escaped": b'data: {"candidates":[{"finish\\u0052eason":"STOP"}]}\n\n',
+    "gemini-block-escaped": b'data: {"promptFeedback":{"block\\u0052eason":"SAFETY"}}\n\n',
+    "responses-failed-key-order": (
+        b'data: {"response":{"status":"failed","error":{"message":"boom"}},"type":"response.failed"}\n\n'
+    ),
+    "responses-failed-escaped": b'data: {"type":"response.f\\u0061iled","response":{}}\n\n',
+    "responses-incomplete-spaced": b'data: { "type" : "response.incomplete" , "response" : { } }\n\n',
+    "responses-completed-escaped": b'data: {"type":"response.\\u0063ompleted"}\n\n',
+    "responses-object-escaped": b'data: {"\\u006fbject":"response","status":"completed"}\n\n',
+    "responses-error-type": b'event: error\ndata: {"type":"error","code":"server_error","message":"boom"}\n\n',
+    "leading-space-object": b'data:   {"choices":[{"finish_reason":"stop"}],"type":"message_stop"}\n\n',
+    "bom-mid-stream": b'data: \xef\xbb\xbf{"choices":[{"finish_reason":"stop"}]}\n\n',
+}
+
+
+def _all_cuts(raw: bytes) -> list[list[int]]:
+    return [[]] + [[i] for i in range(1, len(raw))]
+
+
+@pytest.mark.parametrize("fmt", list(CONTENT))
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_event_after_content_is_judged_as_when_parsed(fmt: str, name: str) -> None:
+    """Every hostile spelling, after content in every format, cut at every byte: the tracker that skips
+    inert events decides exactly as the one that parses everything (and the parse finds the terminal)."""
+    raw = CONTENT[fmt] + HOSTILE[name]
+    for cuts in _all_cuts(raw):
+        fast, reference = _judge(raw, cuts, keep_text=False), _judge(raw, cuts, keep_text=True)
+        assert fast.saw_content
+        assert _verdict(fast) == _verdict(reference), (name, cuts)
+
+
+_KEYS = (
+    "choices",
+    "delta",
+    "content",
+    "text",
+    "finish_reason",
+    "error",
+    "type",
+    "message",
+    "stop_reason",
+    "candidates",
+    "parts",
+    "finishReason",
+    "promptFeedback",
+    "blockReason",
+    "object",
+    "status",
+    "response",
+    "index",
+)
+_WORDS = (
+    "stop",
+    "error",
+    "end_turn",
+    "message_stop",
+    "content_block_delta",
+    "response.completed",
+    "response.failed",
+    "response.incomplete",
+    "response.output_text.delta",
+    "STOP",
+    "failed",
+    "completed",
+    "x",
+    "",
+)
+
+
+def _escape(text: str, rng: random.Random) -> str:
+    """``text`` as a JSON string body, some characters written as ``\\uXXXX``."""
+    return "".join(f"\\u{ord(c):04x}" if rng.random() < 0.2 else c for c in text)
+
+
+def _write(value: Any, rng: random.Random) -> str:
+    """JSON with hostile spellings: random whitespace (newlines included), escapes, duplicate keys."""
+
+    def space() -> str:
+        spaces: list[str] = ["", "", " ", "\t", "\n", "  "]
+        return rng.choice(spaces)
+
+    if isinstance(value, list) and value and value[0] == "__object__":
+        items = [f'{space()}"{_escape(k, rng)}"{space()}:{space()}{_write(v, rng)}' for k, v in value[1:]]
+        return "{" + ",".join(items) + space() + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(space() + _write(v, rng) for v in value) + "]"
+    if isinstance(value, str):
+        return f'"{_escape(value, rng)}"'
+    return json.dumps(value)
+
+
+_leaf = st.one_of(st.none(), st.sampled_from(_WORDS), st.integers(0, 3), st.booleans())
+_json_value = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.lists(st.tuples(st.sampled_from(_KEYS), inner), min_size=1, max_size=4).map(
+            lambda pairs: ["__object__", *pairs]
+        ),
+    ),
+    max_leaves=12,
+)
+_objects = st.lists(st.tuples(st.sampled_from(_KEYS), _json_value), min_size=1, max_size=4).map(
+    lambda pairs: ["__object__", *pairs]
+)
+_names = st.sampled_from(
+    [None, "error", "message_stop", "content_block_delta", "message_delta", "response.completed", "ping", "message"]
+)
+
+
+@st.composite
+def _events(draw: st.DrawFn) -> bytes:
+    rng = draw(st.randoms(use_true_random=False))
+    data = _write(draw(_objects), rng)
+    end = draw(st.sampled_from(["\n", "\r\n", "\r"]))
+    lines = []
+    if draw(st.booleans()):
+        lines.append(": comment")
+    name = draw(_names)
+    if name is not None:
+        lines.append(f"event: {name}")
+    if draw(st.booleans()):
+        lines.append("id: 1")
+    # The data over several ``data:`` lines (joined with newlines: JSON whitespace), with or without the space.
+    for piece in data.split("\n"):
+        lines.append(("data:" if draw(st.booleans()) else "data: ") + piece)
+    return (end.join(lines) + end + end).encode()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fmt=st.sampled_from(list(CONTENT)),
+    events=st.lists(_events(), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 4000), max_size=6),
+)
+def test_any_event_after_content_is_judged_as_when_parsed(fmt: str, events: list[bytes], cuts: list[int]) -> None:
+    raw = CONTENT[fmt] + b"".join(events)
+    cuts = [c for c in cuts if c < len(raw)]
+    fast, reference = _judge(raw, cuts, keep_text=False), _judge(raw, cuts, keep_text=True)
+    assert _verdict(fast) == _verdict(reference)
