@@ -13,18 +13,33 @@ upstream (``tests/gateway/_raw_upstream.py``); every such test ends with ``asser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import anyio
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.applications import Starlette
 
+from asgi_lifetime._settings import LifetimeSettings
+from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._sse import SSETracker
+from asgi_lifetime.testing._serve import serve_in_thread
 
+from ..gateway._raw_upstream import raw_upstream
 from ..gateway.test_relay import DONE, HELLO, ROLE, SSE_HEADERS, STOP, Client, Upstream, run, upstream_response
+from ..gateway.test_sdk import CLAUDE_HELLO, SDK_TIMEOUT, settle
+from ..gateway.test_sdk import HELLO as CHAT_HELLO
+from ..gateway.test_sdk import SETTINGS as SDK_SETTINGS
+from .test_attack_upstream import SSE_HEAD, answering, chunk
+
+SESSION = "attack-cpu-cuts"
 
 # -- the relay's stall scope -------------------------------------------------------------------
 
@@ -318,3 +333,133 @@ def test_any_event_after_content_is_judged_as_when_parsed(fmt: str, events: list
     cuts = [c for c in cuts if c < len(raw)]
     fast, reference = _judge(raw, cuts, keep_text=False), _judge(raw, cuts, keep_text=True)
     assert _verdict(fast) == _verdict(reference)
+
+
+# -- end to end: what an SDK sees when the skipped part of a stream carries the error ------------
+
+_OAI_ROLE = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+_OAI_FIRST = _OAI_ROLE + b'"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}\n\n'
+_OAI_MORE = (
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{"content":"lo"},"finish_reason":null}]}\n\n'
+)
+_CLAUDE_FIRST = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","type":"message","role":'
+    b'"assistant","model":"claude","content":[],"stop_reason":null,"stop_sequence":null,'
+    b'"usage":{"input_tokens":1,"output_tokens":0}}}\n\n'
+    b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+    b'"content_block":{"type":"text","text":""}}\n\n'
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"Hel"}}\n\n'
+)
+_CLAUDE_MORE = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"lo"}}\n\n'
+)
+
+# (the events after the first content, as the upstream sends them; the message the SDK must raise)
+OPENAI_ERRORS = {
+    "error-beside-choices": (
+        _OAI_MORE + b'data: {"choices":[{"index":0,"delta":{}}],"error":{"message":"boom beside"}}\n\n',
+        "boom beside",
+    ),
+    "escaped-error-key": (_OAI_MORE + b'data: {"\\u0065rror":{"message":"boom escaped"}}\n\n', "boom escaped"),
+    "error-no-space-crlf": (_OAI_MORE + b'data:{"error":{"message":"boom crlf"}}\r\n\r\n', "boom crlf"),
+    "error-multiline": (_OAI_MORE + b'data: {"error":\ndata: {"message":"boom lines"}}\n\n', "boom lines"),
+    "named-error": (_OAI_MORE + b'event: error\r\ndata: {"error":{"message":"boom named"}}\r\n\r\n', "boom named"),
+}
+ANTHROPIC_ERRORS = {
+    "error-event": (
+        _CLAUDE_MORE + b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Over"}}\n\n',
+        "Over",
+    ),
+    "error-event-cr": (
+        _CLAUDE_MORE + b'event: error\rdata: {"type":"error","error":{"type":"api_error","message":"Cr"}}\r\r',
+        "Cr",
+    ),
+}
+
+
+def _raw_stream_upstream(events: bytes) -> Any:
+    """A raw upstream answering every request with a chunked event stream: ``events`` one byte per
+    HTTP chunk (every split of every event), then the end of the body."""
+    body = b"".join(chunk(events[i : i + 1]) for i in range(len(events)))
+    return raw_upstream(answering(SSE_HEAD + body + b"0\r\n\r\n"))
+
+
+@contextlib.contextmanager
+def _gateway(upstream_url: str) -> Iterator[tuple[str, Starlette]]:
+    gateway = create_app(LifetimeSettings(upstream_url=(upstream_url,), **SDK_SETTINGS))
+    with serve_in_thread(gateway) as url:
+        yield url, gateway
+
+
+def _outcome(gateway: Starlette) -> str:
+    settle(lambda: gateway.state.book.get(SESSION) is not None, what=lambda: "the outcome recorded")
+    entry = gateway.state.book.get(SESSION)
+    assert entry is not None
+    return str(entry.last_outcome)
+
+
+@pytest.mark.parametrize("name", list(OPENAI_ERRORS))
+def test_the_openai_sdk_sees_an_error_sent_after_content(name: str) -> None:
+    events, message = OPENAI_ERRORS[name]
+    with _raw_stream_upstream(_OAI_FIRST + events) as upstream, _gateway(upstream.url) as (url, gateway):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0, timeout=SDK_TIMEOUT) as client:
+            stream = client.chat.completions.create(
+                model="m", messages=CHAT_HELLO, stream=True, extra_headers={"x-session-id": SESSION}
+            )
+            text = ""
+            with pytest.raises(openai.APIError, match=message):
+                for part in stream:
+                    text += part.choices[0].delta.content or "" if part.choices else ""
+            assert text == "Hello"
+        assert _outcome(gateway) == "upstream_error"
+        assert len(upstream.requests) == 1
+
+
+@pytest.mark.parametrize("name", list(ANTHROPIC_ERRORS))
+def test_the_anthropic_sdk_sees_an_error_sent_after_content(name: str) -> None:
+    events, message = ANTHROPIC_ERRORS[name]
+    with _raw_stream_upstream(_CLAUDE_FIRST + events) as upstream, _gateway(upstream.url) as (url, gateway):
+        with anthropic.Anthropic(base_url=url, api_key="sk-ant", max_retries=0, timeout=SDK_TIMEOUT) as client:
+            text = ""
+            with pytest.raises(anthropic.APIStatusError, match=message):
+                with client.messages.stream(
+                    model="claude", max_tokens=10, messages=CLAUDE_HELLO, extra_headers={"x-session-id": SESSION}
+                ) as stream:
+                    for piece in stream.text_stream:
+                        text += piece
+            assert text == "Hello"
+        assert _outcome(gateway) == "upstream_error"
+        assert len(upstream.requests) == 1
+
+
+# A terminal a byte scan cannot see, then the end of the body: the answer is whole (no starvation error
+# appended); and an event that only looks terminal: the stream starved (the SDK gets the error).
+OPENAI_ENDINGS = {
+    "spaced-finish": (b'data: {"choices":[{"index":0,"delta":{},"finish_reason" : "stop"}]}\n\n', None),
+    "escaped-finish": (b'data: {"choices":[{"index":0,"delta":{},"finish_\\u0072eason":"stop"}]}\n\n', None),
+    "finish-over-lines": (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":\ndata: "stop"}]}\n\n', None),
+    "finish-in-text-only": (
+        b'data: {"choices":[{"index":0,"delta":{"content":"finish_reason stop"},"finish_reason":null}]}\n\n',
+        "ended without a terminal event",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(OPENAI_ENDINGS))
+def test_the_openai_sdk_gets_a_whole_answer_or_the_starvation_error(name: str) -> None:
+    events, message = OPENAI_ENDINGS[name]
+    with _raw_stream_upstream(_OAI_FIRST + _OAI_MORE + events) as upstream, _gateway(upstream.url) as (url, gateway):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0, timeout=SDK_TIMEOUT) as client:
+            stream = client.chat.completions.create(
+                model="m", messages=CHAT_HELLO, stream=True, extra_headers={"x-session-id": SESSION}
+            )
+            with contextlib.ExitStack() as expect:
+                if message is not None:
+                    expect.enter_context(pytest.raises(openai.APIError, match=message))
+                text = "".join(part.choices[0].delta.content or "" for part in stream if part.choices)
+                assert text.startswith("Hello")
+        assert _outcome(gateway) == ("complete" if message is None else "starved")
+        assert len(upstream.requests) == 1
