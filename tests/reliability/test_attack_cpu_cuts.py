@@ -21,6 +21,7 @@ from typing import Any
 
 import anthropic
 import anyio
+import httpx
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,7 +33,7 @@ from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._sse import SSETracker
 from asgi_lifetime.testing._serve import serve_in_thread
 
-from ..gateway._raw_upstream import raw_upstream
+from ..gateway._raw_upstream import RawRequest, Script, raw_upstream
 from ..gateway.test_relay import DONE, HELLO, ROLE, SSE_HEADERS, STOP, Client, Upstream, run, upstream_response
 from ..gateway.test_sdk import CLAUDE_HELLO, SDK_TIMEOUT, settle
 from ..gateway.test_sdk import HELLO as CHAT_HELLO
@@ -463,3 +464,51 @@ def test_the_openai_sdk_gets_a_whole_answer_or_the_starvation_error(name: str) -
                 assert text.startswith("Hello")
         assert _outcome(gateway) == ("complete" if message is None else "starved")
         assert len(upstream.requests) == 1
+
+
+# -- cookies: one client's upstream Set-Cookie never reaches another client's upstream request ------
+
+
+class _CookieThenRedirect:
+    """A raw upstream's answers: the first sets a session cookie, every later one redirects."""
+
+    def __init__(self) -> None:
+        self.url = ""
+
+    def __call__(self, request: RawRequest) -> Script:
+        if request.target == "/elsewhere" or not request.headers.get("x-second"):
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nset-cookie: session=a-secret; Path=/\r\n"
+            return [head + b"content-length: 2\r\n\r\n{}"]
+        location = f"location: {self.url}/elsewhere\r\n".encode()
+        return [b"HTTP/1.1 307 Temporary Redirect\r\n" + location + b"content-length: 0\r\n\r\n"]
+
+
+@pytest.mark.parametrize("client", ["gateway's own", "caller's, following redirects"])
+def test_an_upstream_cookie_never_reaches_another_clients_upstream_request(client: str) -> None:
+    # The gateway's own client keeps no cookie (2c8aa0f). A client passed in keeps its jar, which fills
+    # with every client's upstream Set-Cookie; httpx sends that jar on a redirect it follows: client B's
+    # request went to Location with client A's session cookie (and its body re-sent there). Now no
+    # redirect is followed, whatever the client (the aiohttp transport never did): B gets the 307.
+    own = None
+    if client != "gateway's own":
+        own = httpx.AsyncClient(
+            follow_redirects=True,
+            cookies={"caller": "own-cookie"},
+            transport=httpx.AsyncHTTPTransport(limits=httpx.Limits(max_keepalive_connections=0)),
+        )
+    answer = _CookieThenRedirect()
+    with raw_upstream(answer) as upstream:
+        answer.url = upstream.url
+        gateway = create_app(LifetimeSettings(upstream_url=(upstream.url,), **SDK_SETTINGS), client=own)
+        body = {"model": "m", "messages": []}
+        with serve_in_thread(gateway) as url:
+            with httpx.Client(base_url=url, timeout=SDK_TIMEOUT) as client_a:
+                first = client_a.post("/v1/chat/completions", json=body)
+            assert first.status_code == 200 and first.headers["set-cookie"].startswith("session=")  # A's, relayed
+            with httpx.Client(base_url=url, timeout=SDK_TIMEOUT, headers={"x-second": "1"}) as client_b:
+                second = client_b.post("/v1/chat/completions", json=body)
+        assert all("cookie" not in r.headers for r in upstream.requests), [r.headers for r in upstream.requests]
+        assert [r.target for r in upstream.requests] == ["/v1/chat/completions"] * 2
+        assert second.status_code == 307
+    if own is not None:
+        assert own.cookies.get("caller") == "own-cookie"  # the caller's jar is the caller's: left as it was set
