@@ -38,7 +38,8 @@ from ..gateway.test_relay import DONE, HELLO, ROLE, SSE_HEADERS, STOP, Client, U
 from ..gateway.test_sdk import CLAUDE_HELLO, SDK_TIMEOUT, settle
 from ..gateway.test_sdk import HELLO as CHAT_HELLO
 from ..gateway.test_sdk import SETTINGS as SDK_SETTINGS
-from .test_attack_upstream import SSE_HEAD, answering, chunk
+from .test_attack_upstream import FIRST, SSE_HEAD, STREAM_BODY, answering, chunk
+from .test_faults import assert_idle, running
 
 SESSION = "attack-cpu-cuts"
 
@@ -512,3 +513,45 @@ def test_an_upstream_cookie_never_reaches_another_clients_upstream_request(clien
         assert second.status_code == 307
     if own is not None:
         assert own.cookies.get("caller") == "own-cookie"  # the caller's jar is the caller's: left as it was set
+
+
+# -- a response read to its end is not closed again: its connection is still never handed on dirty --
+
+_STREAM_END = (
+    chunk(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n') + b"0\r\n\r\n"
+)
+_SMUGGLED = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n" + b'{"smuggled": 1}'
+# What the first answer looks like: a whole stream followed by a second response in the same write, or
+# split so that the end of the stream and the extra response come in the read after its head.
+FIRST_ANSWERS: dict[str, list[bytes]] = {
+    "stream then a response, one write": [SSE_HEAD + chunk(FIRST) + _STREAM_END + _SMUGGLED],
+    "stream, then its end and a response": [SSE_HEAD + chunk(FIRST), _STREAM_END + _SMUGGLED],
+    "stream, a chunk declaring less than it carries": [
+        SSE_HEAD + chunk(FIRST) + b"5\r\n" + b'data: {"x":1}\n\n' + b"\r\n" + _STREAM_END + _SMUGGLED
+    ],
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["httpcore", "aiohttp"])
+@pytest.mark.parametrize("case", list(FIRST_ANSWERS))
+async def test_a_stream_read_to_its_end_never_hands_its_leftovers_on(case: str, transport: str) -> None:
+    fresh = b'{"fresh": true}'
+
+    def answer(request: RawRequest) -> Script:
+        if request.target.startswith("/v1/chat"):
+            return list(FIRST_ANSWERS[case])
+        return [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n" + fresh]
+
+    with raw_upstream(answer) as upstream, running(upstream_url=upstream.url, upstream_transport=transport) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+            async with client.stream("POST", "/v1/chat/completions", json=STREAM_BODY) as one:
+                first = b"".join([piece async for piece in one.aiter_raw()])
+            two = await client.post("/v1/second", json={})
+        await assert_idle(stack.app, stack.url)
+    assert one.status_code == 200 and first.startswith(FIRST)
+    assert two.status_code == 200 and two.content == fresh
+    second = [r for r in upstream.requests if r.target == "/v1/second"]
+    assert len(second) == 1 and all(
+        r.connection != second[0].connection for r in upstream.requests if r is not second[0]
+    )
