@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anthropic
@@ -30,16 +31,16 @@ from starlette.applications import Starlette
 
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway import create_app
-from asgi_lifetime.gateway._sse import SSETracker
+from asgi_lifetime.gateway._sse import KEEPALIVE, SSETracker
 from asgi_lifetime.testing._serve import serve_in_thread
 
-from ..gateway._raw_upstream import RawRequest, Script, raw_upstream
+from ..gateway._raw_upstream import HOLD, RawRequest, Script, raw_upstream
 from ..gateway.test_relay import DONE, HELLO, ROLE, SSE_HEADERS, STOP, Client, Upstream, run, upstream_response
 from ..gateway.test_sdk import CLAUDE_HELLO, SDK_TIMEOUT, settle
 from ..gateway.test_sdk import HELLO as CHAT_HELLO
 from ..gateway.test_sdk import SETTINGS as SDK_SETTINGS
 from .test_attack_upstream import FIRST, SSE_HEAD, STREAM_BODY, answering, chunk
-from .test_faults import assert_idle, running
+from .test_faults import PATH, assert_idle, raw_client, request_bytes, running, sse_error
 
 SESSION = "attack-cpu-cuts"
 
@@ -555,3 +556,125 @@ async def test_a_stream_read_to_its_end_never_hands_its_leftovers_on(case: str, 
     assert len(second) == 1 and all(
         r.connection != second[0].connection for r in upstream.requests if r is not second[0]
     )
+
+
+# -- the relay over real sockets: drips, bursts then silence, a slow client, hang-ups -------------
+
+_END = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+
+
+def _dripped(data: bytes, pause: float) -> list[bytes | str | Callable[[], bytes]]:
+    """One byte per HTTP chunk, each ``pause`` seconds after the last (the upstream's thread sleeps)."""
+
+    def step(byte: bytes) -> Callable[[], bytes]:
+        def later() -> bytes:
+            time.sleep(pause)
+            return chunk(byte)
+
+        return later
+
+    return [step(data[i : i + 1]) for i in range(len(data))]
+
+
+def _scripted(*steps: bytes | str | Callable[[], bytes]) -> Callable[[RawRequest], Script]:
+    return lambda request: list(steps)
+
+
+def _without_keepalives(body: bytes) -> tuple[bytes, list[int]]:
+    """The body without the gateway's keep-alives, and where each one was (offsets in what is left)."""
+    rest, offsets = bytearray(), []
+    for piece in body.split(KEEPALIVE):
+        rest += piece
+        offsets.append(len(rest))
+    return bytes(rest), offsets[:-1]
+
+
+@pytest.mark.anyio
+async def test_a_dripped_stream_gets_keepalives_only_between_events() -> None:
+    # One byte every 20 ms, the stall timeout 0.5 s, a keep-alive after 50 ms of client silence: the
+    # stream is relayed whole (not a stall: no silence is that long), and every keep-alive sits
+    # between two of the upstream's events, never inside one.
+    events = FIRST + _END
+    with (
+        raw_upstream(_scripted(SSE_HEAD, *_dripped(events, 0.02), b"0\r\n\r\n")) as upstream,
+        running(upstream_url=upstream.url, keepalive_interval=0.05, stall_timeout=0.5) as stack,
+    ):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            async with client.stream("POST", PATH, json=STREAM_BODY) as response:
+                body = b"".join([piece async for piece in response.aiter_raw()])
+        await assert_idle(stack.app, stack.url)
+    rest, offsets = _without_keepalives(body)
+    assert rest == events
+    assert offsets, "no keep-alive was sent: the test did not test"
+    boundaries = {0, len(FIRST), len(FIRST) + _END.index(b"\n\n") + 2, len(events)}
+    assert set(offsets) <= boundaries, (offsets, boundaries)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cut", ["between events", "inside an event"])
+async def test_a_burst_then_silence_is_a_stall_and_everything_is_released(cut: str) -> None:
+    burst = FIRST * 50 + (b"" if cut == "between events" else b'data: {"choices":[{"index":0,"del')
+    with (
+        raw_upstream(answering(SSE_HEAD, chunk(burst), HOLD)) as upstream,
+        running(upstream_url=upstream.url, stall_timeout=0.3) as stack,
+    ):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            async with client.stream("POST", PATH, json=STREAM_BODY) as response:
+                body = b"".join([piece async for piece in response.aiter_raw()])
+        assert upstream.released.wait(5), "the gateway did not hang up on the stalled upstream"
+        await assert_idle(stack.app, stack.url)
+        assert stack.stats()["stalled"] == 1
+    rest, _ = _without_keepalives(body)
+    assert rest.startswith(FIRST * 50)
+    assert sse_error(rest[len(FIRST * 50) :]) is not None
+    assert rest[len(FIRST * 50) :].startswith(b"event: error")  # no half event before it
+    assert b'"upstream_stalled"' in rest
+
+
+@pytest.mark.anyio
+async def test_a_client_that_does_not_read_while_the_upstream_stalls() -> None:
+    # The client's window is small and it reads nothing: the relay waits on the client (no stall: the
+    # upstream is not the slow one); then the upstream goes silent; the client reads it all: the
+    # events, then upstream_stalled.
+    burst = FIRST * 4000  # ~300 KiB: more than the client's socket and uvicorn take
+    with (
+        raw_upstream(answering(SSE_HEAD, chunk(burst), HOLD)) as upstream,
+        running(upstream_url=upstream.url, stall_timeout=0.3) as stack,
+    ):
+        async with raw_client(stack.url, rcvbuf=4096) as client:
+            await client.send(request_bytes(json.dumps(STREAM_BODY).encode()))
+            status, _ = await client.head()
+            assert status == 200
+            await anyio.sleep(1.0)  # longer than the stall timeout, the client reading nothing
+            body = bytearray()
+            with anyio.fail_after(20):
+                while piece := await client.data(seconds=10):
+                    body += piece
+        assert upstream.released.wait(5)
+        await assert_idle(stack.app, stack.url)
+    rest, _ = _without_keepalives(bytes(body))
+    assert rest.startswith(burst)
+    assert b'"upstream_stalled"' in rest[len(burst) :]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("phase", ["before the first byte", "inside a dripped event", "between events", "in silence"])
+async def test_a_client_leaving_at_any_phase_releases_everything(phase: str) -> None:
+    steps: dict[str, list[bytes | str | Callable[[], bytes]]] = {
+        "before the first byte": [HOLD],
+        "inside a dripped event": [SSE_HEAD, chunk(FIRST), *_dripped(FIRST[:30], 0.01), HOLD],
+        "between events": [SSE_HEAD, chunk(FIRST), HOLD],
+        "in silence": [SSE_HEAD, chunk(FIRST), chunk(b": upstream comment\n\n"), HOLD],
+    }
+    with (
+        raw_upstream(_scripted(*steps[phase])) as upstream,
+        running(upstream_url=upstream.url, stall_timeout=10.0, keepalive_interval=0.05) as stack,
+    ):
+        async with raw_client(stack.url) as client:
+            await client.send(request_bytes(json.dumps(STREAM_BODY).encode()))
+            assert upstream.held.wait(5)
+            if phase != "before the first byte":
+                assert (await client.head())[0] == 200
+                assert (await client.data()).startswith(FIRST)
+        assert upstream.released.wait(5), "the upstream was not hung up on"
+        await assert_idle(stack.app, stack.url)
