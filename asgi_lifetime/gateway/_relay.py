@@ -45,6 +45,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 import httpx
 from starlette.types import Message, Receive, Send
 
@@ -91,6 +92,11 @@ _SERVER_SET = frozenset({b"date", b"server"})
 EVENT_HOLD_LIMIT = MAX_BUFFER
 # Whole events held back after a terminal event that would count as starvation (see _Relay._release).
 _WITHHOLD_LIMIT = 64 * 1024
+# Chunks relayed between two event-loop turns at most. Neither the send lock (fast_acquire) nor,
+# often, the read yields: httpcore returns the HTTP chunks h11 already parsed from one socket read
+# without awaiting anything, so an upstream sending 2-byte chunks would hold the loop for all of a
+# 64 KiB read (~9,000 chunks, hundreds of ms in which no other request moves).
+_CHUNKS_PER_TURN = 32
 _COLLECT_LIMIT = 64 * 1024 * 1024
 _CLIENT_DISCONNECTED_STATUS = 499
 _NO_BODY_STATUSES = frozenset({204, 304})
@@ -202,6 +208,7 @@ class _Relay:
         # are used, as the relative delay of anyio.sleep().
         self.last_sent = time.monotonic()
         self.helper_error: Exception | None = None
+        self.chunks = 0  # chunks relayed (see _CHUNKS_PER_TURN)
 
     async def run(self, response: httpx.Response, receive: Receive) -> RelayResult:
         self.responses.append(response)
@@ -462,6 +469,9 @@ class _Relay:
     async def _forward(self, chunk: bytes) -> None:
         if not chunk:
             return
+        self.chunks += 1
+        if not self.chunks % _CHUNKS_PER_TURN:
+            await anyio.lowlevel.checkpoint()  # let the other requests move (see _CHUNKS_PER_TURN)
         if self.first_byte_at is None:
             self.first_byte_at = time.monotonic()
             if self.on_first_byte is not None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import anthropic
 import anyio
+import anyio.lowlevel
 import httpx
 import openai
 import pytest
@@ -35,7 +36,19 @@ from asgi_lifetime.gateway._sse import KEEPALIVE, SSETracker
 from asgi_lifetime.testing._serve import serve_in_thread
 
 from ..gateway._raw_upstream import HOLD, RawRequest, Script, raw_upstream
-from ..gateway.test_relay import DONE, HELLO, ROLE, SSE_HEADERS, STOP, Client, Upstream, run, upstream_response
+from ..gateway.test_relay import (
+    DONE,
+    HELLO,
+    ROLE,
+    SSE_HEADERS,
+    STOP,
+    Client,
+    Upstream,
+    delta,
+    run,
+    sse,
+    upstream_response,
+)
 from ..gateway.test_sdk import CLAUDE_HELLO, SDK_TIMEOUT, settle
 from ..gateway.test_sdk import HELLO as CHAT_HELLO
 from ..gateway.test_sdk import SETTINGS as SDK_SETTINGS
@@ -678,3 +691,35 @@ async def test_a_client_leaving_at_any_phase_releases_everything(phase: str) -> 
                 assert (await client.data()).startswith(FIRST)
         assert upstream.released.wait(5), "the upstream was not hung up on"
         await assert_idle(stack.app, stack.url)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [True, False])
+async def test_a_stream_of_ready_chunks_does_not_hold_the_event_loop(sse_stream: bool) -> None:
+    # The send lock takes no loop turn any more (fast_acquire), and httpcore hands over the HTTP chunks
+    # h11 parsed from one socket read without awaiting: 2-byte chunks relayed one after the other
+    # without a single loop turn (measured on main under uvicorn: 4,000 events in 2-byte HTTP chunks,
+    # a /healthz probe every 2 ms got 67 answers in 4.5 s, against 1,173 in 9.8 s before 7c1103d).
+    # Here the upstream's chunks are all ready: other tasks must still get turns while they are relayed.
+    events = sse(delta(content="x")) * 200
+    chunks = [events[i : i + 2] for i in range(0, len(events), 2)]
+    turns = 0
+    done = anyio.Event()
+
+    async def other_request() -> None:
+        nonlocal turns
+        while not done.is_set():
+            await anyio.lowlevel.checkpoint()
+            turns += 1
+
+    headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
+    client = Client()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_request)
+        await anyio.lowlevel.checkpoint()
+        before = turns
+        result = await run(upstream_response(Upstream(*chunks, STOP + DONE), headers=headers), client)
+        during = turns - before
+        done.set()
+    assert client.body == events + STOP + DONE and result.outcome == "complete"
+    assert during >= len(chunks) // 64, f"{during} turns for {len(chunks)} chunks"
