@@ -56,6 +56,7 @@ from .test_attack_upstream import FIRST, SSE_HEAD, STREAM_BODY, answering, chunk
 from .test_faults import PATH, assert_idle, raw_client, request_bytes, running, sse_error
 
 SESSION = "attack-cpu-cuts"
+TRANSPORTS = ["httpcore", "aiohttp"]
 
 # -- the relay's stall scope -------------------------------------------------------------------
 
@@ -547,7 +548,7 @@ FIRST_ANSWERS: dict[str, list[bytes]] = {
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("transport", ["httpcore", "aiohttp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("case", list(FIRST_ANSWERS))
 async def test_a_stream_read_to_its_end_never_hands_its_leftovers_on(case: str, transport: str) -> None:
     fresh = b'{"fresh": true}'
@@ -624,12 +625,13 @@ async def test_a_dripped_stream_gets_keepalives_only_between_events() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("cut", ["between events", "inside an event"])
-async def test_a_burst_then_silence_is_a_stall_and_everything_is_released(cut: str) -> None:
+async def test_a_burst_then_silence_is_a_stall_and_everything_is_released(cut: str, transport: str) -> None:
     burst = FIRST * 50 + (b"" if cut == "between events" else b'data: {"choices":[{"index":0,"del')
     with (
         raw_upstream(answering(SSE_HEAD, chunk(burst), HOLD)) as upstream,
-        running(upstream_url=upstream.url, stall_timeout=0.3) as stack,
+        running(upstream_url=upstream.url, stall_timeout=0.3, upstream_transport=transport) as stack,
     ):
         async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
             async with client.stream("POST", PATH, json=STREAM_BODY) as response:
@@ -671,8 +673,9 @@ async def test_a_client_that_does_not_read_while_the_upstream_stalls() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("phase", ["before the first byte", "inside a dripped event", "between events", "in silence"])
-async def test_a_client_leaving_at_any_phase_releases_everything(phase: str) -> None:
+async def test_a_client_leaving_at_any_phase_releases_everything(phase: str, transport: str) -> None:
     steps: dict[str, list[bytes | str | Callable[[], bytes]]] = {
         "before the first byte": [HOLD],
         "inside a dripped event": [SSE_HEAD, chunk(FIRST), *_dripped(FIRST[:30], 0.01), HOLD],
@@ -681,7 +684,9 @@ async def test_a_client_leaving_at_any_phase_releases_everything(phase: str) -> 
     }
     with (
         raw_upstream(_scripted(*steps[phase])) as upstream,
-        running(upstream_url=upstream.url, stall_timeout=10.0, keepalive_interval=0.05) as stack,
+        running(
+            upstream_url=upstream.url, stall_timeout=10.0, keepalive_interval=0.05, upstream_transport=transport
+        ) as stack,
     ):
         async with raw_client(stack.url) as client:
             await client.send(request_bytes(json.dumps(STREAM_BODY).encode()))
