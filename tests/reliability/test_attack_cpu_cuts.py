@@ -32,7 +32,9 @@ from starlette.applications import Starlette
 
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway._prepare import Prepared
 from asgi_lifetime.gateway._sse import KEEPALIVE, SSETracker
+from asgi_lifetime.gateway._upstream import UpstreamClient
 from asgi_lifetime.testing._serve import serve_in_thread
 
 from ..gateway._raw_upstream import HOLD, RawRequest, Script, raw_upstream
@@ -526,6 +528,10 @@ def test_an_upstream_cookie_never_reaches_another_clients_upstream_request(clien
         assert all("cookie" not in r.headers for r in upstream.requests), [r.headers for r in upstream.requests]
         assert [r.target for r in upstream.requests] == ["/v1/chat/completions"] * 2
         assert second.status_code == 307
+        jar = gateway.state.upstream._client.cookies
+        if own is None:
+            # No cookie kept at all (httpx's private _cookies replaced: this fails if httpx moves its jar).
+            assert len(jar) == 0 and type(jar).__name__ == "_NoCookies"
     if own is not None:
         assert own.cookies.get("caller") == "own-cookie"  # the caller's jar is the caller's: left as it was set
 
@@ -728,3 +734,32 @@ async def test_a_stream_of_ready_chunks_does_not_hold_the_event_loop(sse_stream:
         done.set()
     assert client.body == events + STOP + DONE and result.outcome == "complete"
     assert during >= len(chunks) // 64, f"{during} turns for {len(chunks)} chunks"
+
+
+# -- upstream URLs parsed once: no collision, no growth, no leak -------------------------------------
+
+
+@pytest.mark.anyio
+async def test_the_url_cache_never_mixes_requests_up_and_stays_bounded() -> None:
+    # Paths that differ only in case, percent-encoding, a trailing slash, dot segments, a fragment-like
+    # %23, plus 300 per-request ids (more than the cache holds) and queries (never kept: they may carry
+    # a key): each request goes to exactly its own URL, and the cache stays within its bound.
+    seen: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url.raw_path, "ascii"))
+        return httpx.Response(200, json={})
+
+    tricky = ["/v1/a", "/V1/a", "/v1/%61", "/v1/a/", "/v1/./a", "/v1/a%23b", "/v1/a?key=one", "/v1/a?key=two"]
+    paths = [*tricky, *(f"/v1/files/file-{n}" for n in range(300)), *tricky]
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    async with UpstreamClient(settings=LifetimeSettings(), base_url="http://upstream.test", client=client) as upstream:
+        for path in paths:
+            prepared = Prepared(method="POST", path=path, headers=[], body=b"{}")
+            await (await upstream.forward(prepared, on_retries_settled=lambda: None)).aclose()
+        cached = dict(upstream._urls)
+    await client.aclose()
+    expected = [str(httpx.URL("http://upstream.test" + path).raw_path, "ascii") for path in paths]
+    assert seen == expected
+    assert len(cached) <= 256 and not any("?" in text for text in cached)
+    assert all(url == httpx.URL(text) for text, url in cached.items())  # each under its own text
