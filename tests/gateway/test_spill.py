@@ -30,7 +30,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ import anyio
 import anyio.to_thread
 import httpx
 import pytest
-from starlette.types import Message
+from starlette.types import Scope
 
 from asgi_lifetime import LifetimeSettings, MiB
 from asgi_lifetime._resources import RequestResources
@@ -48,6 +47,7 @@ from asgi_lifetime.gateway._prepare import Draft, Prepared
 from asgi_lifetime.gateway._spill import SLICE, SpillClosed, SpilledBody, SpillFile, spill
 from asgi_lifetime.testing._serve import serve_in_thread
 
+from .._asgi import Connection, json_scope
 from ..reliability.test_faults import Stack, assert_idle, eventually
 from ._raw_upstream import RawRequest, RawUpstream, chunked, raw_upstream
 from .test_relay_events import STREAMS, render
@@ -401,50 +401,8 @@ class Recording(httpx.AsyncBaseTransport):
         return httpx.Response(200, headers=SSE, stream=self.answers[len(self.bodies) - 1])
 
 
-@dataclass
-class Client:
-    """The server side of the ASGI connection: feeds the body, records the response."""
-
-    body: bytes
-    offset: int = 0
-    hang_up: anyio.Event = field(default_factory=anyio.Event)
-    ended: anyio.Event = field(default_factory=anyio.Event)
-    received: bytearray = field(default_factory=bytearray)
-    status: int = 0
-
-    async def receive(self) -> Message:
-        if self.offset < len(self.body):
-            part = self.body[self.offset : self.offset + MiB]
-            self.offset += len(part)
-            return {"type": "http.request", "body": part, "more_body": self.offset < len(self.body)}
-        await self.hang_up.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            return
-        self.received += message.get("body", b"")
-        if not message.get("more_body", False):
-            self.ended.set()
-
-
-def scope_for(body: bytes) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": PATH,
-        "raw_path": PATH.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 50000),
-        "server": ("gateway.test", 80),
-        "state": {},
-    }
+def scope_for(body: bytes) -> Scope:
+    return json_scope(body, PATH, state={})
 
 
 def rename_model(draft: Draft) -> None:
@@ -488,7 +446,7 @@ async def test_a_starved_stream_is_reissued_from_disk_with_the_identical_bytes(
     monkeypatch.setattr(SpilledBody, "read", counting_read)
     gate = anyio.Event()
     upstream = Recording([Answer(gate, b""), Answer(None, ANSWER)])  # the first stream ends with no event
-    client = Client(BODY)
+    client = Connection(BODY)
     async with in_process(upstream, tmp_path, changed=changed) as app:
         lifetime = app.state.lifetime
         with anyio.fail_after(WAIT):
@@ -520,7 +478,7 @@ async def test_the_file_is_closed_on_every_settlement_path(
     tail: bytes | Exception = httpx.ReadError("reset by peer") if ending == "upstream_error" else ANSWER
     answer = Answer(gate, tail)
     upstream = Recording([answer, Answer(None, ANSWER)])
-    client = Client(BODY)
+    client = Connection(BODY)
     async with in_process(upstream, tmp_path) as app:
         lifetime = app.state.lifetime
         with anyio.fail_after(WAIT):
@@ -560,7 +518,7 @@ async def test_nothing_goes_to_disk_below_the_threshold_or_without_disk(
     gate = anyio.Event()
     first = Answer(gate, b"")
     upstream = Recording([first, Answer(None, ANSWER)])
-    client = Client(BODY)
+    client = Connection(BODY)
     async with in_process(upstream, tmp_path, **changes) as app:
         lifetime = app.state.lifetime
         with anyio.fail_after(WAIT):
@@ -587,7 +545,7 @@ async def test_a_full_disk_reissues_from_memory(
     caplog.set_level(logging.WARNING, logger=_spill.__name__)
     gate = anyio.Event()
     upstream = Recording([Answer(gate, b""), Answer(None, ANSWER)])
-    client = Client(BODY)
+    client = Connection(BODY)
     async with in_process(upstream, tmp_path) as app:
         lifetime = app.state.lifetime
         with anyio.fail_after(WAIT):
