@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ import anyio
 import anyio.to_thread
 import httpx
 import pytest
+from anyio.abc import TaskGroup
 from starlette.types import Scope
 
 from asgi_lifetime import LifetimeSettings, MiB
@@ -432,6 +433,15 @@ async def in_process(
         await app.state.upstream.aclose()
 
 
+@contextlib.asynccontextmanager
+async def requesting(app: Any, client: Connection) -> AsyncIterator[TaskGroup]:
+    """``client``'s request in flight to ``app``, run in the task group yielded; all of it within WAIT."""
+    with anyio.fail_after(WAIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app, scope_for(client.body), client.receive, client.send)
+            yield tg
+
+
 @pytest.mark.parametrize("changed", [False, True], ids=["unchanged-body", "changed-body"])
 async def test_a_starved_stream_is_reissued_from_disk_with_the_identical_bytes(
     changed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, opened: list[SpillFile]
@@ -449,18 +459,16 @@ async def test_a_starved_stream_is_reissued_from_disk_with_the_identical_bytes(
     client = Connection(BODY)
     async with in_process(upstream, tmp_path, changed=changed) as app:
         lifetime = app.state.lifetime
-        with anyio.fail_after(WAIT):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(BODY), client.receive, client.send)
-                await until(lambda: lifetime.stats().spilled == 1)
-                # Streaming (the first answer is held open): the body is on disk, under no name.
-                stats = lifetime.stats()
-                outbound = len(upstream.bodies[0])
-                assert (stats.retained_input_bytes, stats.retained_disk_bytes) == (0, outbound)
-                assert os.listdir(tmp_path) == []
-                gate.set()  # the first stream ends without an event: starved, re-issued
-                await client.ended.wait()
-                client.hang_up.set()
+        async with requesting(app, client):
+            await until(lambda: lifetime.stats().spilled == 1)
+            # Streaming (the first answer is held open): the body is on disk, under no name.
+            stats = lifetime.stats()
+            outbound = len(upstream.bodies[0])
+            assert (stats.retained_input_bytes, stats.retained_disk_bytes) == (0, outbound)
+            assert os.listdir(tmp_path) == []
+            gate.set()  # the first stream ends without an event: starved, re-issued
+            await client.ended.wait()
+            client.hang_up.set()
     assert len(upstream.bodies) == 2 and upstream.bodies[1] == upstream.bodies[0]
     assert (upstream.bodies[0] == BODY) is not changed
     assert reads == list(range(0, outbound, SLICE))  # streamed back from the file, one slice at a time
@@ -481,19 +489,17 @@ async def test_the_file_is_closed_on_every_settlement_path(
     client = Connection(BODY)
     async with in_process(upstream, tmp_path) as app:
         lifetime = app.state.lifetime
-        with anyio.fail_after(WAIT):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(BODY), client.receive, client.send)
-                await until(lambda: lifetime.stats().spilled == 1)
-                assert len(opened) == 1 and not opened[0].closed and os.listdir(tmp_path) == []
-                if ending == "client_disconnect":
-                    client.hang_up.set()
-                elif ending == "cancelled":
-                    tg.cancel_scope.cancel()
-                else:
-                    gate.set()
-                    await client.ended.wait()
-                    client.hang_up.set()
+        async with requesting(app, client) as tg:
+            await until(lambda: lifetime.stats().spilled == 1)
+            assert len(opened) == 1 and not opened[0].closed and os.listdir(tmp_path) == []
+            if ending == "client_disconnect":
+                client.hang_up.set()
+            elif ending == "cancelled":
+                tg.cancel_scope.cancel()
+            else:
+                gate.set()
+                await client.ended.wait()
+                client.hang_up.set()
         await until(lambda: lifetime.stats().idle)
     assert opened[0].closed and opened[0]._file.closed
     assert answer.closed
@@ -521,16 +527,14 @@ async def test_nothing_goes_to_disk_below_the_threshold_or_without_disk(
     client = Connection(BODY)
     async with in_process(upstream, tmp_path, **changes) as app:
         lifetime = app.state.lifetime
-        with anyio.fail_after(WAIT):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(BODY), client.receive, client.send)
-                await until(lambda: first.pulled)
-                stats = lifetime.stats()  # streaming: the relay waits for the first answer
-                assert stats.retained_input_bytes == (len(BODY) if retained_in_memory else 0)
-                assert (stats.retained_disk_bytes, stats.spilled) == (0, 0)
-                gate.set()
-                await client.ended.wait()
-                client.hang_up.set()
+        async with requesting(app, client):
+            await until(lambda: first.pulled)
+            stats = lifetime.stats()  # streaming: the relay waits for the first answer
+            assert stats.retained_input_bytes == (len(BODY) if retained_in_memory else 0)
+            assert (stats.retained_disk_bytes, stats.spilled) == (0, 0)
+            gate.set()
+            await client.ended.wait()
+            client.hang_up.set()
     assert opened == []
     # Kept (in memory): re-issued with the same bytes. Off: the starved stream ends with an error event.
     assert upstream.bodies == ([BODY, BODY] if retained_in_memory else [BODY])
@@ -548,16 +552,14 @@ async def test_a_full_disk_reissues_from_memory(
     client = Connection(BODY)
     async with in_process(upstream, tmp_path) as app:
         lifetime = app.state.lifetime
-        with anyio.fail_after(WAIT):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(BODY), client.receive, client.send)
-                await until(lambda: lifetime.stats().spill_failures == 1)
-                stats = lifetime.stats()
-                assert (stats.retained_input_bytes, stats.retained_disk_bytes) == (len(BODY), 0)
-                assert opened[0].closed
-                gate.set()
-                await client.ended.wait()
-                client.hang_up.set()
+        async with requesting(app, client):
+            await until(lambda: lifetime.stats().spill_failures == 1)
+            stats = lifetime.stats()
+            assert (stats.retained_input_bytes, stats.retained_disk_bytes) == (len(BODY), 0)
+            assert opened[0].closed
+            gate.set()
+            await client.ended.wait()
+            client.hang_up.set()
     assert upstream.bodies == [BODY, BODY] and bytes(client.received) == ANSWER
     assert lifetime.stats().idle
     assert "No space left on device" in caplog.text

@@ -22,7 +22,7 @@ from asgi_lifetime import MiB
 from asgi_lifetime.gateway._spill import SpillFile
 
 from .._asgi import Connection
-from .test_spill import ANSWER, BODY, SSE, WAIT, Answer, in_process, scope_for, until
+from .test_spill import ANSWER, BODY, SSE, WAIT, Answer, in_process, requesting, scope_for, until
 from .test_spill import opened as opened  # a fixture: every spill file opened during the test
 
 pytestmark = pytest.mark.anyio
@@ -66,19 +66,17 @@ async def test_a_spilled_body_is_no_longer_in_the_process(mode: str, changed: bo
     try:
         async with in_process(upstream, tmp_path, changed=changed, retain_outbound=mode) as app:
             lifetime = app.state.lifetime
-            with anyio.fail_after(WAIT):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(app, scope_for(BODY), client.receive, client.send)
-                    await until(lambda: answer.pulled and lifetime.stats().spilled == (mode == "disk"))
-                    stats = lifetime.stats()
-                    if mode == "disk":
-                        # The worker thread that wrote the last slice drops its reference to it (a view of
-                        # the body) just after handing back the result: the body goes a moment later.
-                        await until(lambda: large_blocks(threshold) == [])
-                    alive = large_blocks(threshold)
-                    gate.set()
-                    await client.ended.wait()
-                    client.hang_up.set()
+            async with requesting(app, client):
+                await until(lambda: answer.pulled and lifetime.stats().spilled == (mode == "disk"))
+                stats = lifetime.stats()
+                if mode == "disk":
+                    # The worker thread that wrote the last slice drops its reference to it (a view of
+                    # the body) just after handing back the result: the body goes a moment later.
+                    await until(lambda: large_blocks(threshold) == [])
+                alive = large_blocks(threshold)
+                gate.set()
+                await client.ended.wait()
+                client.hang_up.set()
     finally:
         tracemalloc.stop()
     if mode == "disk":
