@@ -944,11 +944,9 @@ async def test_invalid_timeouts() -> None:
 # -- graceful shutdown: the stop event -------------------------------------------------------
 
 
-@pytest.mark.anyio
-async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
-    stream = Upstream(ROLE + sse(delta(content="Hi")), 30.0, DONE)
+async def run_stopped_after_first_byte(response: httpx.Response, client: Client) -> RelayResult:
+    """``run`` with a stop event that is set once the client has seen the first body bytes."""
     stop = anyio.Event()
-    client = Client()
 
     async def stop_after_first_byte() -> None:
         await client.body_seen.wait()
@@ -956,7 +954,14 @@ async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop_after_first_byte)
-        result = await run(upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=10, stop=stop)
+        return await run(response, client, stall_timeout=10, stop=stop)
+
+
+@pytest.mark.anyio
+async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
+    stream = Upstream(ROLE + sse(delta(content="Hi")), 30.0, DONE)
+    client = Client()
+    result = await run_stopped_after_first_byte(upstream_response(stream, headers=SSE_HEADERS), client)
     assert result.outcome == "shutdown"
     assert client.status == 200 and client.ended
     error = client.error_event()
@@ -973,16 +978,8 @@ async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
 async def test_stop_mid_stream_ends_a_stream_without_keepalives(headers: dict[str, str]) -> None:
     """No keep-alive task (not an in-band stream): the stop is watched by a task of its own."""
     stream = Upstream(b'{"choices": [', 30.0, b"]}")
-    stop = anyio.Event()
     client = Client()
-
-    async def stop_after_first_byte() -> None:
-        await client.body_seen.wait()
-        stop.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(stop_after_first_byte)
-        result = await run(upstream_response(stream, headers=headers), client, stall_timeout=10, stop=stop)
+    result = await run_stopped_after_first_byte(upstream_response(stream, headers=headers), client)
     assert result.outcome == "shutdown"
     assert client.status == 200 and not client.ended  # cut short: it cannot be made to look complete
     assert stream.closed
