@@ -954,7 +954,8 @@ async def run_stopped_after_first_byte(response: httpx.Response, client: Client)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop_after_first_byte)
-        return await run(response, client, stall_timeout=10, stop=stop)
+        result = await run(response, client, stall_timeout=10, stop=stop)
+    return result
 
 
 @pytest.mark.anyio
