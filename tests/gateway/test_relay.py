@@ -486,11 +486,8 @@ async def test_a_slow_client_is_not_a_stalled_upstream(sse_stream: bool) -> None
     assert client.body == b"".join(chunks)
 
 
-@pytest.mark.anyio
-@pytest.mark.parametrize("sse_stream", [False, True])
-async def test_no_timer_scope_per_chunk(sse_stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Relaying a long stream sets up its stall guard once, not once per chunk (a cancel scope
-    and a timer each cost more than relaying a small chunk), and still catches a stall after it."""
+def count_timed_scopes(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The delay of every ``anyio.move_on_after`` scope opened from now on (the scopes still work)."""
     scopes: list[float] = []
     real = anyio.move_on_after
 
@@ -499,6 +496,15 @@ async def test_no_timer_scope_per_chunk(sse_stream: bool, monkeypatch: pytest.Mo
         return real(delay, shield=shield)
 
     monkeypatch.setattr(anyio, "move_on_after", counting)
+    return scopes
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [False, True])
+async def test_no_timer_scope_per_chunk(sse_stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relaying a long stream sets up its stall guard once, not once per chunk (a cancel scope
+    and a timer each cost more than relaying a small chunk), and still catches a stall after it."""
+    scopes = count_timed_scopes(monkeypatch)
     chunks = [sse(delta(content=str(i))) for i in range(40)]
     headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
     client = Client()
@@ -514,14 +520,7 @@ async def test_a_response_read_to_its_end_is_not_closed_again(
 ) -> None:
     """httpx closes a response as its last chunk is read: the relay's closes (stop reading, close
     each response) then skip the shielded, time-bounded close they need for an unfinished one."""
-    scopes: list[float] = []
-    real = anyio.move_on_after
-
-    def counting(delay: float, shield: bool = False) -> anyio.CancelScope:
-        scopes.append(delay)
-        return real(delay, shield=shield)
-
-    monkeypatch.setattr(anyio, "move_on_after", counting)
+    scopes = count_timed_scopes(monkeypatch)
     stream = Upstream(ROLE, HELLO, STOP + DONE)
     headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
     response = upstream_response(stream, headers=headers)
