@@ -1,4 +1,5 @@
-"""Real servers for the tests: the rule for a binary a test needs, and ``redis-server``.
+"""Real servers for the tests: the rule for a binary a test needs, ``redis-server``, and loopback
+servers run in threads (``threaded_server`` for a hand-written TCP peer, ``hypercorn_in_thread``).
 
 The real parts (``redis-server``, ``nginx``) come from Debian packages; ``.ci/run`` installs them
 when they are missing. A test that needs one calls ``require_binary(name, apt_package)`` first:
@@ -12,6 +13,11 @@ directory, without persistence, and stops it on exit::
         book = RedisSessionBook(redis.url, max_sessions=100)
         redis.kill()        # SIGKILL: the "Redis died" case
         redis.start()       # again, on the same port (empty: nothing was saved)
+
+``threaded_server(handle)`` hands each connection it accepts to ``handle(sock, n)`` in a thread::
+
+    with threaded_server(lambda sock, n: sock.close()) as url:
+        ...                 # every connection to url is closed at once
 """
 
 from __future__ import annotations
