@@ -486,11 +486,8 @@ async def test_a_slow_client_is_not_a_stalled_upstream(sse_stream: bool) -> None
     assert client.body == b"".join(chunks)
 
 
-@pytest.mark.anyio
-@pytest.mark.parametrize("sse_stream", [False, True])
-async def test_no_timer_scope_per_chunk(sse_stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Relaying a long stream sets up its stall guard once, not once per chunk (a cancel scope
-    and a timer each cost more than relaying a small chunk), and still catches a stall after it."""
+def count_timed_scopes(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The delay of every ``anyio.move_on_after`` scope opened from now on (the scopes still work)."""
     scopes: list[float] = []
     real = anyio.move_on_after
 
@@ -499,6 +496,15 @@ async def test_no_timer_scope_per_chunk(sse_stream: bool, monkeypatch: pytest.Mo
         return real(delay, shield=shield)
 
     monkeypatch.setattr(anyio, "move_on_after", counting)
+    return scopes
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [False, True])
+async def test_no_timer_scope_per_chunk(sse_stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relaying a long stream sets up its stall guard once, not once per chunk (a cancel scope
+    and a timer each cost more than relaying a small chunk), and still catches a stall after it."""
+    scopes = count_timed_scopes(monkeypatch)
     chunks = [sse(delta(content=str(i))) for i in range(40)]
     headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
     client = Client()
@@ -514,14 +520,7 @@ async def test_a_response_read_to_its_end_is_not_closed_again(
 ) -> None:
     """httpx closes a response as its last chunk is read: the relay's closes (stop reading, close
     each response) then skip the shielded, time-bounded close they need for an unfinished one."""
-    scopes: list[float] = []
-    real = anyio.move_on_after
-
-    def counting(delay: float, shield: bool = False) -> anyio.CancelScope:
-        scopes.append(delay)
-        return real(delay, shield=shield)
-
-    monkeypatch.setattr(anyio, "move_on_after", counting)
+    scopes = count_timed_scopes(monkeypatch)
     stream = Upstream(ROLE, HELLO, STOP + DONE)
     headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
     response = upstream_response(stream, headers=headers)
@@ -944,11 +943,9 @@ async def test_invalid_timeouts() -> None:
 # -- graceful shutdown: the stop event -------------------------------------------------------
 
 
-@pytest.mark.anyio
-async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
-    stream = Upstream(ROLE + sse(delta(content="Hi")), 30.0, DONE)
+async def run_stopped_after_first_byte(response: httpx.Response, client: Client) -> RelayResult:
+    """``run`` with a stop event that is set once the client has seen the first body bytes."""
     stop = anyio.Event()
-    client = Client()
 
     async def stop_after_first_byte() -> None:
         await client.body_seen.wait()
@@ -956,7 +953,15 @@ async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop_after_first_byte)
-        result = await run(upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=10, stop=stop)
+        result = await run(response, client, stall_timeout=10, stop=stop)
+    return result
+
+
+@pytest.mark.anyio
+async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
+    stream = Upstream(ROLE + sse(delta(content="Hi")), 30.0, DONE)
+    client = Client()
+    result = await run_stopped_after_first_byte(upstream_response(stream, headers=SSE_HEADERS), client)
     assert result.outcome == "shutdown"
     assert client.status == 200 and client.ended
     error = client.error_event()
@@ -973,16 +978,8 @@ async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
 async def test_stop_mid_stream_ends_a_stream_without_keepalives(headers: dict[str, str]) -> None:
     """No keep-alive task (not an in-band stream): the stop is watched by a task of its own."""
     stream = Upstream(b'{"choices": [', 30.0, b"]}")
-    stop = anyio.Event()
     client = Client()
-
-    async def stop_after_first_byte() -> None:
-        await client.body_seen.wait()
-        stop.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(stop_after_first_byte)
-        result = await run(upstream_response(stream, headers=headers), client, stall_timeout=10, stop=stop)
+    result = await run_stopped_after_first_byte(upstream_response(stream, headers=headers), client)
     assert result.outcome == "shutdown"
     assert client.status == 200 and not client.ended  # cut short: it cannot be made to look complete
     assert stream.closed
