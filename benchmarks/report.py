@@ -258,7 +258,7 @@ def _targets(results: dict[str, Any], add: Any) -> None:
             if gc and bc:
                 rows.append(
                     (
-                        f"CPU per request <= 1.3x the bare forwarder's at c={c} (it sends over httpx's own transport)",
+                        f"CPU per request <= 1.3x the bare forwarder's at c={c} ({_bare_transport(results)})",
                         f"{gc['cpu_per_request'] * 1000:.2f} vs {bc['cpu_per_request'] * 1000:.2f} ms = "
                         f"{gc['cpu_per_request'] / bc['cpu_per_request']:.2f}x",
                         gc["cpu_per_request"] <= 1.3 * bc["cpu_per_request"],
@@ -538,6 +538,13 @@ def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
     add("")
 
 
+def _bare_transport(results: dict[str, Any]) -> str:
+    """How the bare forwarder of these results sent: on the gateway's transport since run.py records it."""
+    if results["overhead"].get("bare_transport") == "same":
+        return "on the same transport: the gateway's aiohttp"
+    return "it sends over httpx's own transport"
+
+
 def _overhead(results: dict[str, Any], add: Any) -> None:
     oh = results["overhead"]
     add("## 3. Overhead: small streamed requests")
@@ -564,8 +571,11 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
             vs_b = r["rps"] / table[f"bare@{c}"]["rps"]
             added = (r["p50"] - direct["p50"]) * 1000
             errors = f" ({r['errors']} errors)" if r["errors"] else ""
+            label = LABELS[key]
+            if key == "bare" and oh.get("bare_transport") == "same":
+                label += ", on the same transport (the gateway's aiohttp)"
             add(
-                f"| {c} | {LABELS[key]} | {r['rps']:.0f}{errors} | {vs_o:.2f}x | {vs_b:.2f}x | "
+                f"| {c} | {label} | {r['rps']:.0f}{errors} | {vs_o:.2f}x | {vs_b:.2f}x | "
                 f"{r['p50'] * 1000:.2f} ms | {r['p99'] * 1000:.2f} ms | {added:+.2f} ms | "
                 f"{r['cpu_per_request'] * 1000:.2f} ms |"
             )
@@ -573,6 +583,12 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
     add(
         "*CPU per request*: the proxy process's CPU time (user + system) over the requests it served (for "
         "*direct*, the upstream's): the steadiest figure on a shared machine."
+        + (
+            " The bare forwarder sends over the gateway's own upstream transport (`UpstreamTransport`, aiohttp "
+            "on asyncio): gateway against bare forwarder compares like with like, on the same transport."
+            if oh.get("bare_transport") == "same"
+            else ""
+        )
     )
     add("")
     add("Where the gateway's time goes:")
