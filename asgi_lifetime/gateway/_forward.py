@@ -27,6 +27,7 @@ from ._memory import trim_after_large_request
 from ._prepare import Prepared, Preparer, prepare
 from ._refold import Conversation, Refold, default_refold
 from ._relay import RelayResult, filter_headers, relay
+from ._shutdown import StopSignal
 from ._spill import spill
 from ._transport import close_response
 from ._upstream import UpstreamClient
@@ -76,7 +77,7 @@ class Forwarder:
         bookkeepers: Sequence[Bookkeeper],
         book: SessionBook,
         refold_factory: Callable[[Conversation], Refold] = default_refold,
-        stop: anyio.Event | None = None,
+        stop: StopSignal | None = None,
     ) -> None:
         self.lifetime = lifetime
         self.settings = lifetime.settings

@@ -38,6 +38,7 @@ closed whatever happens, cancellation included.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -60,6 +61,7 @@ from .._exceptions import (
 )
 from .._stats import Counters
 from ._bookkeeping import Ending
+from ._shutdown import StopSignal
 from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
@@ -156,7 +158,7 @@ class _Relay:
         reissue: Callable[[], Awaitable[httpx.Response | None]] | None,
         counters: Counters | None,
         on_first_byte: Callable[[], None] | None,
-        stop: anyio.Event | None = None,
+        stop: StopSignal | None = None,
         error_shape: ErrorShape = "openai",
     ) -> None:
         self.send = send
@@ -209,14 +211,13 @@ class _Relay:
         error: Exception | None = None
         try:
             self._use(response)
+            # One helper task: it watches for a disconnect and sends the keep-alives. ``stop`` needs no task:
+            # setting it cancels the scope registered here.
+            stopping = self.stop.cancels(self.stop_scope) if self.stop is not None else contextlib.nullcontext()
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
-                if self.inband:
-                    tg.start_soon(self._keepalives, tg.cancel_scope)  # it watches ``stop`` too
-                elif self.stop is not None:
-                    tg.start_soon(self._watch_stop, self.stop)
+                tg.start_soon(self._watch, receive, tg.cancel_scope)
                 try:
-                    with self.stop_scope:
+                    with self.stop_scope, stopping:
                         outcome = await self._relay(response)
                     if self.stop_scope.cancelled_caught:
                         # Graceful shutdown ran out of grace: end the stream with a clear error.
@@ -252,53 +253,58 @@ class _Relay:
         tracker = self.tracker
         return tracker is not None and tracker.saw_terminal and not tracker.starved and not self.withheld
 
-    # -- helper tasks ---------------------------------------------------------------------------
+    # -- the helper task ------------------------------------------------------------------------
 
-    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+    async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        """Wait for the client to disconnect (then cancel ``scope``, unless the response had ended);
+        meanwhile, for an in-band stream, send keep-alives while the upstream is quiet."""
+        try:
+            gone = await self._wait_client(receive)
+        except Exception as exc:  # a keep-alive could not be sent: the relay ends with that error
+            self.helper_error = exc
+            scope.cancel()
+            return
+        if gone and not self.ended:
+            self.disconnected = True
+            scope.cancel()
+
+    async def _wait_client(self, receive: Receive) -> bool:
+        """True once the client disconnected; False if ``receive()`` failed (the relay goes on, unwatched).
+
+        For an in-band stream, a keep-alive goes out after ``keepalive_interval`` of client silence
+        when the client is between events; when it is not, the next try is one interval later."""
+        if not self.inband:
+            return await self._disconnected(receive)
+        not_before = -math.inf
+        while True:
+            delay = max(self.last_sent + self.keepalive_interval, not_before) - time.monotonic()
+            if delay <= 0:
+                if not await self._keepalive():
+                    not_before = time.monotonic() + self.keepalive_interval
+                continue
+            # receive() is cancelled when a keep-alive is due: an ASGI server's receive() loses
+            # nothing by being cancelled (it waits for its next message).
+            with anyio.move_on_after(delay):
+                return await self._disconnected(receive)
+
+    @staticmethod
+    async def _disconnected(receive: Receive) -> bool:
         try:
             await wait_disconnect(receive)
         except Exception:
             logger.debug("receive() failed while watching for a disconnect", exc_info=True)
-            return
-        if not self.ended:
-            self.disconnected = True
-            scope.cancel()
+            return False
+        return True
 
-    async def _watch_stop(self, stop: anyio.Event) -> None:
-        await stop.wait()
-        self.stop_scope.cancel()
-
-    async def _keepalives(self, scope: anyio.CancelScope) -> None:
-        """While the upstream is quiet, send a keep-alive every ``keepalive_interval`` of client silence."""
-        try:
-            while True:
-                delay = self.last_sent + self.keepalive_interval - time.monotonic()
-                if delay > 0:
-                    await self._idle(delay)
-                    continue
-                async with self.lock:
-                    # Checked under the lock: the main task sends under it too. Only whole events
-                    # were sent, so the client is between events unless one is streaming through.
-                    if self.waiting and self.inband and not self.passthrough:
-                        await self._send_body(KEEPALIVE)
-                        continue
-                # Not safe now (client busy, inside an event): look again after another interval.
-                await self._idle(self.keepalive_interval)
-        except Exception as exc:
-            self.helper_error = exc
-            scope.cancel()
-
-    async def _idle(self, seconds: float) -> None:
-        """The keep-alive task's sleep, which also watches ``stop`` (one helper task per stream fewer)."""
-        stop = self.stop
-        if stop is None:
-            await anyio.sleep(seconds)
-            return
-        with anyio.move_on_after(seconds):
-            await stop.wait()
-        if stop.is_set():
-            self.stop_scope.cancel()
-            await anyio.sleep_forever()  # no keep-alive after the stop; the relay cancels this task
+    async def _keepalive(self) -> bool:
+        """Send a keep-alive comment if the client is between events and the main task waits on the upstream."""
+        async with self.lock:
+            # Checked under the lock: the main task sends under it too. Only whole events were
+            # sent, so the client is between events unless one is streaming through.
+            if self.waiting and not self.passthrough:
+                await self._send_body(KEEPALIVE)
+                return True
+        return False
 
     # -- relaying -------------------------------------------------------------------------------
 
@@ -567,7 +573,7 @@ async def relay(
     reissue: Callable[[], Awaitable[httpx.Response | None]] | None = None,
     counters: Counters | None = None,
     on_first_byte: Callable[[], None] | None = None,
-    stop: anyio.Event | None = None,
+    stop: StopSignal | None = None,
     error_shape: ErrorShape = "openai",
 ) -> RelayResult:
     """Stream an open httpx response (``client.send(request, stream=True)``) to an ASGI client.
