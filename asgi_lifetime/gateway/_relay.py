@@ -65,7 +65,7 @@ from ._shutdown import StopSignal
 from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
-__all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "RelayResult", "filter_headers", "relay"]
+__all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "ClientWatch", "RelayResult", "filter_headers", "relay"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,29 +205,20 @@ class _Relay:
         self.last_sent = time.monotonic()
         self.helper_error: Exception | None = None
 
-    async def run(self, response: httpx.Response, receive: Receive) -> RelayResult:
+    async def run(self, response: httpx.Response, receive: Receive, watch: ClientWatch | None) -> RelayResult:
         self.responses.append(response)
         outcome: Ending = "client_disconnected"
         error: Exception | None = None
         try:
             self._use(response)
-            # One helper task: it watches for a disconnect and sends the keep-alives. ``stop`` needs no task:
-            # setting it cancels the scope registered here.
-            stopping = self.stop.cancels(self.stop_scope) if self.stop is not None else contextlib.nullcontext()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch, receive, tg.cancel_scope)
-                try:
-                    with self.stop_scope, stopping:
-                        outcome = await self._relay(response)
-                    if self.stop_scope.cancelled_caught:
-                        # Graceful shutdown ran out of grace: end the stream with a clear error.
-                        await self._fail(
-                            AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
-                        )
-                        outcome = "shutdown"
-                except Exception as exc:  # re-raised below, unwrapped from the task group's ExceptionGroup
-                    error = exc
-                tg.cancel_scope.cancel()
+            if watch is None:  # called on its own: a helper task of its own watches the client
+                async with anyio.create_task_group() as tg:
+                    watch = ClientWatch(receive)
+                    tg.start_soon(watch.run)
+                    outcome, error = await self._watched(response, watch)
+                    tg.cancel_scope.cancel()
+            else:
+                outcome, error = await self._watched(response, watch)
             if error is None and self.helper_error is not None:
                 error = self.helper_error
             if isinstance(error, _ClientGone):
@@ -248,53 +239,37 @@ class _Relay:
         status = self.status or _CLIENT_DISCONNECTED_STATUS
         return RelayResult(status, self.bytes_out, self.first_byte_at, outcome, self.reissued)
 
+    async def _watched(self, response: httpx.Response, watch: ClientWatch) -> tuple[Ending, Exception | None]:
+        """Relay under ``watch``: a disconnect cancels it, and the watch sends its keep-alives. ``stop`` needs
+        no task: setting it cancels the scope registered here. Returns the outcome and the error that ended it."""
+        outcome: Ending = "client_disconnected"
+        error: Exception | None = None
+        cut = anyio.CancelScope()
+        stopping = self.stop.cancels(self.stop_scope) if self.stop is not None else contextlib.nullcontext()
+        watch.attach(cut, self)
+        try:
+            with cut:
+                try:
+                    with self.stop_scope, stopping:
+                        outcome = await self._relay(response)
+                    if self.stop_scope.cancelled_caught:
+                        # Graceful shutdown ran out of grace: end the stream with a clear error.
+                        await self._fail(
+                            AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
+                        )
+                        outcome = "shutdown"
+                except Exception as exc:  # raised by run(), after the closes (and out of any task group)
+                    error = exc
+        finally:
+            watch.detach()
+        return outcome, error
+
     def _answered(self) -> bool:
         """The client was sent a recognised stream's terminal event after its content."""
         tracker = self.tracker
         return tracker is not None and tracker.saw_terminal and not tracker.starved and not self.withheld
 
-    # -- the helper task ------------------------------------------------------------------------
-
-    async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        """Wait for the client to disconnect (then cancel ``scope``, unless the response had ended);
-        meanwhile, for an in-band stream, send keep-alives while the upstream is quiet."""
-        try:
-            gone = await self._wait_client(receive)
-        except Exception as exc:  # a keep-alive could not be sent: the relay ends with that error
-            self.helper_error = exc
-            scope.cancel()
-            return
-        if gone and not self.ended:
-            self.disconnected = True
-            scope.cancel()
-
-    async def _wait_client(self, receive: Receive) -> bool:
-        """True once the client disconnected; False if ``receive()`` failed (the relay goes on, unwatched).
-
-        For an in-band stream, a keep-alive goes out after ``keepalive_interval`` of client silence
-        when the client is between events; when it is not, the next try is one interval later."""
-        if not self.inband:
-            return await self._disconnected(receive)
-        not_before = -math.inf
-        while True:
-            delay = max(self.last_sent + self.keepalive_interval, not_before) - time.monotonic()
-            if delay <= 0:
-                if not await self._keepalive():
-                    not_before = time.monotonic() + self.keepalive_interval
-                continue
-            # receive() is cancelled when a keep-alive is due: an ASGI server's receive() loses
-            # nothing by being cancelled (it waits for its next message).
-            with anyio.move_on_after(delay):
-                return await self._disconnected(receive)
-
-    @staticmethod
-    async def _disconnected(receive: Receive) -> bool:
-        try:
-            await wait_disconnect(receive)
-        except Exception:
-            logger.debug("receive() failed while watching for a disconnect", exc_info=True)
-            return False
-        return True
+    # -- keep-alives (sent by the ClientWatch's task) -----------------------------------------------
 
     async def _keepalive(self) -> bool:
         """Send a keep-alive comment if the client is between events and the main task waits on the upstream."""
@@ -563,6 +538,100 @@ class _Relay:
             raise _ClientGone from exc
 
 
+class ClientWatch:
+    """A request's one helper task, from forwarding to the end of the relay: ``run`` waits for the client
+    to disconnect and then cancels the scope it watches over (``attach``); while a relay of an in-band
+    stream is attached, it also sends the relay's keep-alives (after ``keepalive_interval`` of client
+    silence, when the client is between events; if it is not, it tries again one interval later).
+
+    A disconnect once the relay handed over the response's last message changes nothing (servers report
+    one as soon as the response is complete). A ``receive()`` that fails ends the watching (logged).
+
+    ```python
+    watch = ClientWatch(receive)
+    tg.start_soon(watch.run)
+    result = await relay(response, send=send, receive=receive, watch=watch, ...)
+    ```
+    """
+
+    __slots__ = ("receive", "gone", "_target", "_relay", "_waiting", "_not_before")
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.gone = False  # the client disconnected before its response was complete
+        self._target: anyio.CancelScope | None = None
+        self._relay: _Relay | None = None
+        self._waiting: anyio.CancelScope | None = None
+        self._not_before = -math.inf
+
+    def attach(self, scope: anyio.CancelScope, relay: _Relay | None = None) -> None:
+        """Watch over ``scope`` (and ``relay``'s keep-alives) until ``detach()``; cancelled at once if gone."""
+        self._target, self._relay, self._not_before = scope, relay, -math.inf
+        if self.gone:
+            if relay is not None:
+                relay.disconnected = True
+            scope.cancel()
+        elif relay is not None and relay.inband and self._waiting is not None:
+            self._waiting.deadline = self._deadline()
+
+    def detach(self) -> None:
+        self._target = self._relay = None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                # receive() is cancelled when a keep-alive is due: an ASGI server's receive() loses
+                # nothing by being cancelled (it waits for its next message).
+                with anyio.CancelScope(deadline=self._deadline()) as self._waiting:
+                    if await self._disconnected():
+                        self._on_disconnect()
+                    return
+                await self._keepalive()
+        except Exception as exc:  # a keep-alive could not be sent: the relay ends with that error
+            relay, target = self._relay, self._target
+            if relay is not None:
+                relay.helper_error = exc
+            if target is not None:
+                target.cancel()
+        finally:
+            self._waiting = None
+
+    def _deadline(self) -> float:
+        relay = self._relay
+        if relay is None or not relay.inband:
+            return math.inf
+        due = max(relay.last_sent + relay.keepalive_interval, self._not_before)
+        return anyio.current_time() + max(due - time.monotonic(), 0.0)
+
+    async def _keepalive(self) -> None:
+        relay = self._relay
+        if relay is None or not relay.inband:
+            return
+        now = time.monotonic()
+        if now < max(relay.last_sent + relay.keepalive_interval, self._not_before):
+            return  # the client got bytes meanwhile (or the clocks differ by a hair): wait again
+        if not await relay._keepalive():
+            self._not_before = now + relay.keepalive_interval
+
+    async def _disconnected(self) -> bool:
+        try:
+            await wait_disconnect(self.receive)
+        except Exception:
+            logger.debug("receive() failed while watching for a disconnect", exc_info=True)
+            return False
+        return True
+
+    def _on_disconnect(self) -> None:
+        relay = self._relay
+        if relay is not None:
+            if relay.ended:
+                return
+            relay.disconnected = True
+        self.gone = True
+        if self._target is not None:
+            self._target.cancel()
+
+
 async def relay(
     response: httpx.Response,
     *,
@@ -575,6 +644,7 @@ async def relay(
     on_first_byte: Callable[[], None] | None = None,
     stop: StopSignal | None = None,
     error_shape: ErrorShape = "openai",
+    watch: ClientWatch | None = None,
 ) -> RelayResult:
     """Stream an open httpx response (``client.send(request, stream=True)``) to an ASGI client.
 
@@ -584,7 +654,8 @@ async def relay(
     response. The upstream response (and a re-issued one) is always closed on return.
     ``stop``, when set, ends the stream early (graceful shutdown out of grace): a 503 if
     nothing was sent yet, else an in-band SSE ``error`` event with code ``shutting_down``.
-    The gateway's own errors take ``error_shape`` (see ``error_shape()``).
+    The gateway's own errors take ``error_shape`` (see ``error_shape()``). ``watch``: the request's
+    ``ClientWatch``, already running (it then watches this relay); without it, the relay runs one of its own.
     """
     if stall_timeout <= 0:
         raise ValueError(f"stall_timeout={stall_timeout} is invalid: must be greater than 0")
@@ -600,4 +671,4 @@ async def relay(
         stop=stop,
         error_shape=error_shape,
     )
-    return await state.run(response, receive)
+    return await state.run(response, receive, watch)

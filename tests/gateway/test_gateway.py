@@ -616,3 +616,51 @@ async def test_same_session_concurrency() -> None:
     assert entry.requests == n
     assert app.state.book.recomputations == n  # every body differs, so every hash changed
     await assert_idle(app)
+
+
+def _running() -> set[tuple[int, str | None]]:
+    # With the name: trio may give a new task the id of one that ended.
+    return {(task.id, task.name) for task in anyio.get_running_tasks()}
+
+
+class _RecordingStream(httpx.AsyncByteStream):
+    """An upstream answer that notes the running tasks while the gateway relays it."""
+
+    def __init__(self, chunks: list[bytes], seen: list[set[tuple[int, str | None]]]) -> None:
+        self.chunks = chunks
+        self.seen = seen
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            self.seen.append(_running())
+            yield chunk
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["event-stream", "json"])
+async def test_one_helper_task_watches_the_client_from_forwarding_to_the_end_of_the_relay(streamed: bool) -> None:
+    """Retries and the relay are watched by the same task: one helper task per request, not one per stage."""
+    seen: list[set[tuple[int, str | None]]] = []
+    if streamed:
+        chunks = [b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', b"data: [DONE]\n\n"]
+        headers = {"content-type": "text/event-stream"}
+    else:
+        chunks, headers = [json.dumps(OK).encode()], JSON_HEADERS
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(_running())  # while forwarding
+        await anyio.lowlevel.checkpoint()
+        return httpx.Response(200, headers=headers, stream=_RecordingStream(chunks, seen))
+
+    with respx.mock(base_url=BASE, assert_all_called=True) as router:
+        router.post(PATH).mock(side_effect=answer)
+        async with gateway() as (app, client):
+            before = _running()
+            response = await client.post(PATH, json={**CHAT, "stream": streamed})
+    assert response.status_code == 200 and response.content == b"".join(chunks)
+    assert len(seen) == 1 + len(chunks)
+    helpers = [tasks - before for tasks in seen]
+    assert len(helpers[0]) == 1 and all(each == helpers[0] for each in helpers), helpers
+    await assert_idle(app)

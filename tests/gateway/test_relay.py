@@ -11,7 +11,7 @@ import pytest
 from starlette.types import Message
 
 from asgi_lifetime._stats import Counters
-from asgi_lifetime.gateway._relay import HOP_BY_HOP, RelayResult, filter_headers, relay
+from asgi_lifetime.gateway._relay import HOP_BY_HOP, ClientWatch, RelayResult, filter_headers, relay
 from asgi_lifetime.gateway._shutdown import StopSignal
 from asgi_lifetime.gateway._sse import KEEPALIVE, SSEEvent, SSEParser
 
@@ -1083,3 +1083,27 @@ async def test_a_stop_set_before_the_relay_cancels_it_at_once(headers: dict[str,
     result = await run(upstream_response(stream, headers=headers), Client(), stop=stop)
     assert result.outcome == "shutdown" and result.status == 503
     assert stream.closed and not stop._scopes
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("headers", [SSE_HEADERS, {"content-type": "application/json"}], ids=["event-stream", "json"])
+async def test_a_client_gone_before_the_relay_starts_is_not_relayed_to(headers: dict[str, str]) -> None:
+    """The request's watch saw the disconnect between forwarding and relaying (nothing to cancel then):
+    the relay it is handed ends at once, and closes the upstream."""
+    client = Client()
+    client.disconnect()
+    watch = ClientWatch(client.receive)
+    await watch.run()  # returns at the disconnect
+    assert watch.gone
+    stream = Upstream(30.0, DONE)
+    with anyio.fail_after(5):
+        result = await relay(
+            upstream_response(stream, headers=headers),
+            send=client.send,
+            receive=client.receive,
+            stall_timeout=10,
+            keepalive_interval=1,
+            watch=watch,
+        )
+    assert result.outcome == "client_disconnected" and result.status == 499
+    assert stream.closed and client.messages == []
