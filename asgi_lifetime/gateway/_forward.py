@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 from starlette.types import Receive, Scope, Send
 
@@ -164,7 +165,13 @@ class Forwarder:
                 await work(watch)
             except Exception as exc:  # raised below as it is, not wrapped in the task group's ExceptionGroup
                 error = exc
-            tg.cancel_scope.cancel()
+            if watch.running and watch.answered:
+                # The server reports a disconnect once the response is complete (ASGI): the watch ends by
+                # itself at the next loop turn. Cheaper than cancelling it (anyio formats the cancelling
+                # task's repr into each cancel's reason).
+                await anyio.lowlevel.checkpoint()
+            if watch.running:
+                tg.cancel_scope.cancel()
         if error is not None:
             raise error
 

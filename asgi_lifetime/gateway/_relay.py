@@ -554,11 +554,13 @@ class ClientWatch:
     ```
     """
 
-    __slots__ = ("receive", "gone", "_target", "_relay", "_waiting", "_not_before")
+    __slots__ = ("receive", "gone", "answered", "running", "_target", "_relay", "_waiting", "_not_before")
 
     def __init__(self, receive: Receive) -> None:
         self.receive = receive
         self.gone = False  # the client disconnected before its response was complete
+        self.answered = False  # a relay it watched handed the response's last message to the server
+        self.running = True  # run() has not returned
         self._target: anyio.CancelScope | None = None
         self._relay: _Relay | None = None
         self._waiting: anyio.CancelScope | None = None
@@ -575,6 +577,9 @@ class ClientWatch:
             self._waiting.deadline = self._deadline()
 
     def detach(self) -> None:
+        relay = self._relay
+        if relay is not None and relay.ended:
+            self.answered = True
         self._target = self._relay = None
 
     async def run(self) -> None:
@@ -595,6 +600,7 @@ class ClientWatch:
                 target.cancel()
         finally:
             self._waiting = None
+            self.running = False
 
     def _deadline(self) -> float:
         relay = self._relay
@@ -622,6 +628,8 @@ class ClientWatch:
         return True
 
     def _on_disconnect(self) -> None:
+        if self.answered:
+            return  # the disconnect a server reports once the response is complete
         relay = self._relay
         if relay is not None:
             if relay.ended:

@@ -664,3 +664,44 @@ async def test_one_helper_task_watches_the_client_from_forwarding_to_the_end_of_
     helpers = [tasks - before for tasks in seen]
     assert len(helpers[0]) == 1 and all(each == helpers[0] for each in helpers), helpers
     await assert_idle(app)
+
+
+_EVENTS = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["event-stream", "json"])
+async def test_the_client_watch_ends_by_itself_once_the_response_is_complete(
+    streamed: bool, monkeypatch: pytest.MonkeyPatch, anyio_backend: str
+) -> None:
+    """The server reports a disconnect once the response is complete: the request's watch task ends
+    on it, and is not cancelled (each cancel costs anyio a repr of the cancelling task)."""
+    from asgi_lifetime.gateway._relay import ClientWatch
+
+    endings: list[str] = []
+    real_run = ClientWatch.run
+
+    async def run(self: ClientWatch) -> None:
+        try:
+            await real_run(self)
+        except anyio.get_cancelled_exc_class():
+            endings.append("cancelled")
+            raise
+        endings.append("gone" if self.gone else "ended")
+
+    monkeypatch.setattr(ClientWatch, "run", run)
+    def answer(request: httpx.Request) -> httpx.Response:
+        if streamed:
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_EVENTS)
+        return httpx.Response(200, json=OK)
+
+    with respx.mock(base_url=BASE, assert_all_called=True) as router:
+        router.post(PATH).mock(side_effect=answer)
+        async with gateway() as (app, client):
+            for _ in range(3):
+                response = await client.post(PATH, json={**CHAT, "stream": streamed})
+                assert response.status_code == 200
+    if anyio_backend == "asyncio":
+        assert endings == ["ended"] * 3
+    else:  # trio may run the gateway's task again before the watch's: it is then cancelled, as before
+        assert len(endings) == 3 and set(endings) <= {"ended", "cancelled"}, endings
+    await assert_idle(app)
