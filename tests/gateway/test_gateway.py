@@ -689,6 +689,7 @@ async def test_the_client_watch_ends_by_itself_once_the_response_is_complete(
         endings.append("gone" if self.gone else "ended")
 
     monkeypatch.setattr(ClientWatch, "run", run)
+
     def answer(request: httpx.Request) -> httpx.Response:
         if streamed:
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_EVENTS)
