@@ -337,9 +337,12 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
             )
         elif name.startswith("CPU per request"):
             lines.append(
-                f"*{name}*: what remains of the gateway's own work is mostly anyio's per-request helper tasks and "
-                "cancel scopes (the relay's watchers, the disconnect watcher while retrying); one side-by-side run "
-                "of `benchmarks.cpu_per_request` gives its own figures, as noisy (section 3)."
+                f"*{name}*: the gateway's own work, by its share of the gateway's CPU under cProfile "
+                "(`benchmarks.profile`, c=1): the SSE tracker that guards the stream about a fifth; sending through "
+                "httpx's client onto the aiohttp transport about a fifth (the bare forwarder pays this too); reading, "
+                "hashing and judging the body about a tenth; preparing and serializing it about a twentieth; anyio's "
+                "per-request cancel scopes, the request's one helper task and the relay's lock about a tenth. One "
+                "side-by-side run of `benchmarks.cpu_per_request` gives its own figures, as noisy (section 3)."
             )
         elif name.startswith("throughput"):
             table = results["overhead"]["table"]
@@ -611,12 +614,16 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
     )
     add(
         "- **Its own work.** Per request the gateway does what the ordinary proxy does (parse, "
-        "insert, serialize, forward, relay) plus admission, the blake3 hash, the text verdict, a disconnect "
-        "watcher while retrying, the relay's helper tasks (the disconnect watcher and, for an event stream, the "
-        "keep-alive task, which also watches for shutdown), one stall deadline per response, the SSE tracker "
+        "insert, serialize, forward, relay) plus admission, the blake3 hash, the text verdict, one helper task "
+        "that watches the client from forwarding to the end of the relay (it notices a disconnect during retries "
+        "or the relay and sends an event stream's keep-alives; shutdown cancels the relay's scope without a task "
+        "of its own), one stall deadline per response, the SSE tracker "
         "(it parses events until the stream has shown content, then only those that could end it or report an "
         "error), bookkeeping, metrics and the access log (nothing is formatted while its logger is below INFO). "
-        "What remains of it under cProfile is mostly anyio's per-request tasks and cancel scopes."
+        "Under cProfile the SSE tracker is the largest part of it (about a fifth of the gateway's CPU); reading, "
+        "hashing and judging the body, and anyio's per-request cancel scopes (about eleven: the stall, body-read "
+        "and headers deadlines, the relay's stop and disconnect scopes, the watch's wait, a shielded release) "
+        "take about a tenth each."
     )
     add(
         "- **The server.** The targets run under uvicorn's `auto` server: httptools and uvloop when they are "
