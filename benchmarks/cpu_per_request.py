@@ -3,7 +3,8 @@
 Section 3's request (1 KiB, streamed, 16 tokens from the demo upstream with no delay) at c=1 and
 c=32 through each target, every target in its own uvicorn subprocess, in interleaved slices. The
 figure is the target process's CPU time (user + system, psutil) over the requests it answered:
-the steadiest one on a shared machine. Targets: the ordinary proxy, the bare forwarder, the gateway
+the steadiest one on a shared machine. Targets: the ordinary proxy, the bare forwarder (over the
+gateway's upstream transport, aiohttp on asyncio, so the two differ only by the gateway's own work), the gateway
 of this checkout and, with ``--before DIR`` (a directory holding another ``asgi_lifetime``, as for
 ``benchmarks.before_after``), the gateway of that version; each gateway under uvicorn's ``auto``
 server (httptools and uvloop when installed) and under h11 + asyncio. Prints medians over the slices.
@@ -75,7 +76,7 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         upstream = stack.enter_context(Server("demo", tokens_per_second=1e6))
         targets: dict[str, Server] = {
             "ordinary proxy": Server("ordinary", upstream=upstream.url),
-            "bare forwarder": Server("bare", upstream=upstream.url),
+            "bare forwarder (the gateway's transport)": Server("bare", upstream=upstream.url),
             "gateway (this checkout)": Server("gateway", upstream=upstream.url, retain=args.retain),
             "gateway (this checkout), h11 + asyncio": Server(
                 "gateway", upstream=upstream.url, retain=args.retain, extra_args=H11

@@ -258,7 +258,7 @@ def _targets(results: dict[str, Any], add: Any) -> None:
             if gc and bc:
                 rows.append(
                     (
-                        f"CPU per request <= 1.3x the bare forwarder's at c={c} (it sends over httpx's own transport)",
+                        f"CPU per request <= 1.3x the bare forwarder's at c={c} ({_bare_transport(results)})",
                         f"{gc['cpu_per_request'] * 1000:.2f} vs {bc['cpu_per_request'] * 1000:.2f} ms = "
                         f"{gc['cpu_per_request'] / bc['cpu_per_request']:.2f}x",
                         gc["cpu_per_request"] <= 1.3 * bc["cpu_per_request"],
@@ -337,9 +337,12 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
             )
         elif name.startswith("CPU per request"):
             lines.append(
-                f"*{name}*: what remains of the gateway's own work is mostly anyio's per-request helper tasks and "
-                "cancel scopes (the relay's watchers, the disconnect watcher while retrying); one side-by-side run "
-                "of `benchmarks.cpu_per_request` gives its own figures, as noisy (section 3)."
+                f"*{name}*: the gateway's own work, by its share of the gateway's CPU under cProfile "
+                "(`benchmarks.profile`, c=1): the SSE tracker that guards the stream about a fifth; sending through "
+                "httpx's client onto the aiohttp transport about a fifth (the bare forwarder pays this too); reading, "
+                "hashing and judging the body about a tenth; preparing and serializing it about a twentieth; anyio's "
+                "per-request cancel scopes, the request's one helper task and the relay's lock about a tenth. One "
+                "side-by-side run of `benchmarks.cpu_per_request` gives its own figures, as noisy (section 3)."
             )
         elif name.startswith("throughput"):
             table = results["overhead"]["table"]
@@ -538,6 +541,13 @@ def _steady(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
     add("")
 
 
+def _bare_transport(results: dict[str, Any]) -> str:
+    """How the bare forwarder of these results sent: on the gateway's transport since run.py records it."""
+    if results["overhead"].get("bare_transport") == "same":
+        return "on the same transport: the gateway's aiohttp"
+    return "it sends over httpx's own transport"
+
+
 def _overhead(results: dict[str, Any], add: Any) -> None:
     oh = results["overhead"]
     add("## 3. Overhead: small streamed requests")
@@ -564,8 +574,11 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
             vs_b = r["rps"] / table[f"bare@{c}"]["rps"]
             added = (r["p50"] - direct["p50"]) * 1000
             errors = f" ({r['errors']} errors)" if r["errors"] else ""
+            label = LABELS[key]
+            if key == "bare" and oh.get("bare_transport") == "same":
+                label += ", on the same transport (the gateway's aiohttp)"
             add(
-                f"| {c} | {LABELS[key]} | {r['rps']:.0f}{errors} | {vs_o:.2f}x | {vs_b:.2f}x | "
+                f"| {c} | {label} | {r['rps']:.0f}{errors} | {vs_o:.2f}x | {vs_b:.2f}x | "
                 f"{r['p50'] * 1000:.2f} ms | {r['p99'] * 1000:.2f} ms | {added:+.2f} ms | "
                 f"{r['cpu_per_request'] * 1000:.2f} ms |"
             )
@@ -573,6 +586,12 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
     add(
         "*CPU per request*: the proxy process's CPU time (user + system) over the requests it served (for "
         "*direct*, the upstream's): the steadiest figure on a shared machine."
+        + (
+            " The bare forwarder sends over the gateway's own upstream transport (`UpstreamTransport`, aiohttp "
+            "on asyncio): gateway against bare forwarder compares like with like, on the same transport."
+            if oh.get("bare_transport") == "same"
+            else ""
+        )
     )
     add("")
     add("Where the gateway's time goes:")
@@ -595,12 +614,16 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
     )
     add(
         "- **Its own work.** Per request the gateway does what the ordinary proxy does (parse, "
-        "insert, serialize, forward, relay) plus admission, the blake3 hash, the text verdict, a disconnect "
-        "watcher while retrying, the relay's helper tasks (the disconnect watcher and, for an event stream, the "
-        "keep-alive task, which also watches for shutdown), one stall deadline per response, the SSE tracker "
+        "insert, serialize, forward, relay) plus admission, the blake3 hash, the text verdict, one helper task "
+        "that watches the client from forwarding to the end of the relay (it notices a disconnect during retries "
+        "or the relay and sends an event stream's keep-alives; shutdown cancels the relay's scope without a task "
+        "of its own), one stall deadline per response, the SSE tracker "
         "(it parses events until the stream has shown content, then only those that could end it or report an "
         "error), bookkeeping, metrics and the access log (nothing is formatted while its logger is below INFO). "
-        "What remains of it under cProfile is mostly anyio's per-request tasks and cancel scopes."
+        "Under cProfile the SSE tracker is the largest part of it (about a fifth of the gateway's CPU); reading, "
+        "hashing and judging the body, and anyio's per-request cancel scopes (about eleven: the stall, body-read "
+        "and headers deadlines, the relay's stop and disconnect scopes, the watch's wait, a shielded release) "
+        "take about a tenth each."
     )
     add(
         "- **The server.** The targets run under uvicorn's `auto` server: httptools and uvloop when they are "

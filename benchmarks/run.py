@@ -147,7 +147,7 @@ LABELS = {
     "gw_ka8": "asgi_lifetime gateway, upstream keep-alive pool capped at 8 (diagnosis)",
     "gw_httpcore": "asgi_lifetime gateway, UPSTREAM_TRANSPORT=httpcore (httpx's own transport)",
     "ordinary": "ordinary Starlette + httpx proxy",
-    "bare": "bare forwarder (lower bound)",
+    "bare": "bare forwarder (lower bound), on the gateway's upstream transport",
     "direct": "direct to upstream",
 }
 
@@ -452,7 +452,12 @@ async def bench_overhead(mode: Mode, results: dict[str, Any]) -> None:
         finally:
             for server in servers.values():
                 server.__exit__(None, None, None)
-    results["overhead"] = {"body_size": len(body), "seconds": mode.overhead_seconds, "table": table}
+    results["overhead"] = {
+        "body_size": len(body),
+        "seconds": mode.overhead_seconds,
+        "table": table,
+        "bare_transport": "same",  # benchmarks/bare_forwarder.py: the gateway's UpstreamTransport (auto)
+    }
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -6,7 +6,8 @@ without parsing it and answers at once: isolates a proxy's own time to first byt
 ``--service-seconds``, the rest wait in its FIFO queue, as a model server's batch does),
 ``gateway`` (``asgi_lifetime.gateway.create_app`` with a preparer that injects a system
 message), ``gateway-unchanged`` (no preparer: the body is forwarded as received),
-``ordinary`` (benchmarks/ordinary_proxy.py) and ``bare`` (benchmarks/bare_forwarder.py).
+``ordinary`` (benchmarks/ordinary_proxy.py), ``bare`` (benchmarks/bare_forwarder.py, over the gateway's
+upstream transport) and ``bare-httpx`` (the same over httpx's default transport).
 
 The server binds a free loopback port, prints ``READY http://127.0.0.1:PORT`` and serves
 with uvicorn until terminated. ``Server`` starts one from the driver.
@@ -185,10 +186,10 @@ def build_app(
         from benchmarks.ordinary_proxy import create_app as create_ordinary
 
         return create_ordinary(upstream)
-    if kind == "bare":
+    if kind in ("bare", "bare-httpx"):
         from benchmarks.bare_forwarder import BareForwarder
 
-        return BareForwarder(upstream)
+        return BareForwarder(upstream, transport="httpx" if kind == "bare-httpx" else "same")
     raise SystemExit(f"unknown server kind {kind!r}")
 
 

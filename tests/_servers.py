@@ -1,4 +1,5 @@
-"""Real servers for the tests: the rule for a binary a test needs, and ``redis-server``.
+"""Real servers for the tests: the rule for a binary a test needs, ``redis-server``, and loopback
+servers run in threads (``threaded_server`` for a hand-written TCP peer, ``hypercorn_in_thread``).
 
 The real parts (``redis-server``, ``nginx``) come from Debian packages; ``.ci/run`` installs them
 when they are missing. A test that needs one calls ``require_binary(name, apt_package)`` first:
@@ -12,25 +13,44 @@ directory, without persistence, and stops it on exit::
         book = RedisSessionBook(redis.url, max_sessions=100)
         redis.kill()        # SIGKILL: the "Redis died" case
         redis.start()       # again, on the same port (empty: nothing was saved)
+
+``threaded_server(handle)`` hands each connection it accepts to ``handle(sock, n)`` in a thread::
+
+    with threaded_server(lambda sock, n: sock.close()) as url:
+        ...                 # every connection to url is closed at once
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
 
-__all__ = ["RedisServer", "free_port", "in_ci", "redis_ping", "redis_server", "require_binary"]
+__all__ = [
+    "RedisServer",
+    "free_port",
+    "hypercorn_in_thread",
+    "in_ci",
+    "redis_ping",
+    "redis_server",
+    "require_binary",
+    "threaded_server",
+]
 
 _START_TIMEOUT = 10.0
 _STOP_TIMEOUT = 5.0
@@ -62,6 +82,94 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
+
+
+@contextlib.contextmanager
+def threaded_server(
+    handle: Callable[[socket.socket, int], None], *, name: str = "loopback-server", join: float | None = None
+) -> Iterator[str]:
+    """A TCP server on a free loopback port, yielding its ``http://`` URL: each connection it accepts goes
+    to ``handle(sock, n)`` (``n``: 0, 1, ... in the order accepted) in a daemon thread of its own.
+
+    On exit it stops accepting and closes the listener; with ``join``, it then waits up to ``join``
+    seconds for each connection's thread (a handler must end by itself: the test releases it first).
+    """
+    listener = socket.create_server(("127.0.0.1", 0), backlog=16)
+    listener.settimeout(0.05)  # how soon the accept loop sees ``stop``
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            number = len(threads)
+            thread = threading.Thread(target=handle, args=(sock, number), name=f"{name}-{number}", daemon=True)
+            threads.append(thread)
+            thread.start()
+
+    acceptor = threading.Thread(target=accept, name=name, daemon=True)
+    acceptor.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        acceptor.join(5)
+        listener.close()
+        if join is not None:
+            for thread in threads:
+                thread.join(join)
+
+
+@contextlib.contextmanager
+def hypercorn_in_thread(app: Any, worker: str) -> Iterator[int]:
+    """hypercorn serving ``app`` on a loopback socket bound here, in a thread running its own ``worker``
+    event loop (asyncio or trio); yields the port. Connections queue until hypercorn accepts."""
+    import hypercorn.asyncio
+    import hypercorn.config
+    import hypercorn.trio
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    config = hypercorn.config.Config()
+    config.bind = [f"fd://{os.dup(sock.fileno())}"]  # hypercorn closes the one it is given
+    config.accesslog = None
+    config.loglevel = "WARNING"
+    config.graceful_timeout = 1
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    async def main() -> None:
+        async def shutdown_trigger() -> None:
+            await anyio.to_thread.run_sync(stop.wait, abandon_on_cancel=True)
+
+        serve = hypercorn.asyncio.serve if worker == "asyncio" else hypercorn.trio.serve
+        await serve(app, config, shutdown_trigger=shutdown_trigger)
+
+    def run() -> None:
+        try:
+            anyio.run(main, backend=worker)
+        except BaseException as exc:  # reported when the test leaves
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"hypercorn-{worker}", daemon=True)
+    thread.start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(10)
+        sock.close()
+        # Async generators the app abandoned are finalized (and warned about, on trio) now,
+        # in the test that left them, not whenever the collector next runs.
+        gc.collect()
+    assert not thread.is_alive(), "hypercorn did not stop"
+    assert not failure, failure
 
 
 def redis_ping(port: int, *, timeout: float = 1.0) -> bool:

@@ -5,12 +5,13 @@ from collections.abc import Iterator
 import anyio
 import pytest
 from anyio.abc import TaskGroup
-from starlette.types import Message, Receive
 
 from asgi_lifetime._admission import Admission, Ticket, _QueueDelay
 from asgi_lifetime._exceptions import AdmissionRejected, BodyAborted
 from asgi_lifetime._middleware import _acquire_watching
 from asgi_lifetime._stats import Counters
+
+from ._asgi import receiving
 
 pytestmark = pytest.mark.anyio
 
@@ -975,19 +976,6 @@ async def test_a_failing_wait_listener_neither_refuses_nor_leaks(
 # --- a queued request watching its client (LifetimeMiddleware._acquire_watching) -----------------
 
 
-def _client(*messages: Message) -> Receive:
-    """A client that sends ``messages``, then stays (its next receive() waits forever)."""
-    pending = list(messages)
-
-    async def receive() -> Message:
-        if pending:
-            return pending.pop(0)
-        await anyio.sleep_forever()
-        raise AssertionError("unreachable")
-
-    return receive
-
-
 async def test_a_queued_request_cancelled_as_it_is_admitted_gives_its_slot_back() -> None:
     # The admission's listener runs inside acquire(), just before the ticket is handed over:
     # cancelling the request there is the narrowest window (a ticket won, nobody's yet).
@@ -997,7 +985,7 @@ async def test_a_queued_request_cancelled_as_it_is_admitted_gives_its_slot_back(
     with anyio.CancelScope() as request:
         admission.on_admitted(lambda waited: request.cancel())
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_acquire_watching, admission, _client({"type": "http.request", "body": b"{}"}))
+            tg.start_soon(_acquire_watching, admission, receiving([{"type": "http.request", "body": b"{}"}]))
             await anyio.wait_all_tasks_blocked()
             assert counters.queued_requests == 1
             held.release()
@@ -1011,13 +999,13 @@ async def test_a_queued_request_whose_client_leaves_is_aborted_and_its_body_so_f
     held = await admission.acquire(0)
     body = {"type": "http.request", "body": b'{"a":', "more_body": True}
     with pytest.raises(BodyAborted):
-        await _acquire_watching(admission, _client(body, {"type": "http.disconnect"}))
+        await _acquire_watching(admission, receiving([body, {"type": "http.disconnect"}]))
     assert counters.queued_requests == 0
     rest = {"type": "http.request", "body": b"1}"}
     async with anyio.create_task_group() as tg:
 
         async def admitted() -> None:
-            ticket, early = await _acquire_watching(admission, _client(body, rest))
+            ticket, early = await _acquire_watching(admission, receiving([body, rest]))
             assert early == [body, rest]  # read first, in order, once admitted
             ticket.release()
 

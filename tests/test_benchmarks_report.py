@@ -39,3 +39,30 @@ def test_report_only_without_matplotlib_writes_the_page(
         # An earlier plot is still shown (and left as it was); no plot, no dangling link.
         assert (f"]({name})" in page) == drawn_before
         assert (tmp_path / name).exists() == drawn_before
+
+
+@pytest.mark.parametrize("recorded", [None, "same"], ids=["stored-run", "same-transport-run"])
+def test_the_bare_forwarder_rows_name_its_transport(recorded: str | None) -> None:
+    """Section 3 and the targets compare the gateway with the bare forwarder on the same transport
+    once run.py records it; older results keep saying httpx's own transport."""
+    import json
+
+    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    results["overhead"].pop("bare_transport", None)
+    if recorded is not None:
+        results["overhead"]["bare_transport"] = recorded
+    lines: list[str] = []
+    report._overhead(results, lines.append)
+    section = "\n".join(lines)
+    assert ("on the same transport (the gateway's aiohttp)" in section) == (recorded == "same")
+    assert report._bare_transport(results).startswith("on the same transport" if recorded else "it sends over httpx")
+
+
+def test_the_bare_forwarder_sends_over_the_gateways_transport() -> None:
+    from asgi_lifetime.gateway._transport import UpstreamTransport
+    from benchmarks.bare_forwarder import BareForwarder
+
+    same = BareForwarder("http://127.0.0.1:9")
+    plain = BareForwarder("http://127.0.0.1:9", transport="httpx")
+    assert isinstance(same.client._transport, UpstreamTransport)
+    assert not isinstance(plain.client._transport, UpstreamTransport)

@@ -11,9 +11,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import os
-import socket
-import threading
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -22,9 +19,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import hypercorn.asyncio
-import hypercorn.config
-import hypercorn.trio
 import pytest
 from starlette.types import Receive, Scope, Send
 
@@ -32,6 +26,7 @@ from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
 from asgi_lifetime._settings import KiB, MiB
 from asgi_lifetime.testing._serve import serve_in_thread
 
+from ._servers import hypercorn_in_thread
 from .reliability.test_faults import eventually
 
 pytestmark = pytest.mark.anyio
@@ -86,44 +81,6 @@ def make_app(**changes: Any) -> Served:
 
     served = Served(LifetimeMiddleware(app, settings=settings))
     return served
-
-
-@contextmanager
-def hypercorn_in_thread(app: Any, worker: str) -> Iterator[int]:
-    """hypercorn on a socket bound here, in a thread running its own ``worker`` event loop."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    config = hypercorn.config.Config()
-    config.bind = [f"fd://{os.dup(sock.fileno())}"]  # hypercorn closes the one it is given
-    config.accesslog = None
-    config.graceful_timeout = 1
-    stop = threading.Event()
-    failure: list[BaseException] = []
-
-    async def main() -> None:
-        async def shutdown_trigger() -> None:
-            await anyio.to_thread.run_sync(stop.wait, abandon_on_cancel=True)
-
-        serve = hypercorn.asyncio.serve if worker == "asyncio" else hypercorn.trio.serve
-        await serve(app, config, shutdown_trigger=shutdown_trigger)
-
-    def run() -> None:
-        try:
-            anyio.run(main, backend=worker)
-        except BaseException as exc:  # reported when the test leaves
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name=f"hypercorn-{worker}", daemon=True)
-    thread.start()
-    try:
-        yield sock.getsockname()[1]  # listening already: connections queue until hypercorn accepts
-    finally:
-        stop.set()
-        thread.join(10)
-        sock.close()
-    assert not thread.is_alive(), "hypercorn did not stop"
-    assert not failure, failure
 
 
 @contextmanager

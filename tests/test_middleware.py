@@ -33,6 +33,7 @@ from asgi_lifetime import (
 )
 from asgi_lifetime._stats import GAUGES
 
+from ._asgi import body_receive, http_scope, json_scope, receiving
 from ._spy import spy_parse
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -196,36 +197,6 @@ async def test_admission_timeout_is_503_with_retry_after() -> None:
 
 # Raw ASGI drivers: the transport-level paths (disconnects, cancellation) are easier to
 # produce exactly without an HTTP client in between.
-
-
-def http_scope(path: str = "/v1/echo", headers: list[tuple[bytes, bytes]] | None = None) -> Scope:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": headers or [],
-        "server": ("testserver", 80),
-        "client": ("127.0.0.1", 1234),
-    }
-
-
-def receiving(messages: list[Message], then_block: bool = True) -> Receive:
-    queue = list(messages)
-
-    async def receive() -> Message:
-        if queue:
-            return queue.pop(0)
-        if then_block:
-            await anyio.sleep_forever()
-        return {"type": "http.disconnect"}
-
-    return receive
 
 
 class Recorder:
@@ -541,7 +512,7 @@ async def test_inner_scope_state_is_the_outer_scopes_dict(outer_state: dict[str,
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    scope = raw_scope(CHAT_BYTES)
+    scope = json_scope(CHAT_BYTES)
     if outer_state is not None:
         scope["state"] = outer_state
     await LifetimeMiddleware(app, settings=settings())(scope, body_receive(CHAT_BYTES), discard)
@@ -549,35 +520,6 @@ async def test_inner_scope_state_is_the_outer_scopes_dict(outer_state: dict[str,
     assert scope["state"]["x"] == 1 and isinstance(scope["state"]["lifetime"], RequestLifetime)
     if outer_state is not None:
         assert scope["state"]["set"] == "outside"
-
-
-def raw_scope(body: bytes) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/x",
-        "raw_path": b"/v1/x",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 5000),
-        "server": ("127.0.0.1", 8000),
-    }
-
-
-def body_receive(body: bytes) -> Receive:
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> Message:
-        if messages:
-            return messages.pop(0)
-        await anyio.sleep_forever()
-        raise AssertionError("unreachable")
-
-    return receive
 
 
 async def discard(message: Message) -> None:
@@ -621,7 +563,7 @@ async def test_request_settles_before_the_final_body_message_reaches_the_server(
         else:
             during.append(stats)
 
-    await middleware(raw_scope(CHAT_BYTES), body_receive(CHAT_BYTES), server_send)
+    await middleware(json_scope(CHAT_BYTES), body_receive(CHAT_BYTES), server_send)
     assert all(s["inflight_requests"] == 1 for s in during)
     assert len(at_final) == 1
     final = at_final[0]
@@ -645,7 +587,7 @@ async def test_paths_without_a_final_body_message_still_release_everything(endin
             await anyio.sleep_forever()
 
     middleware = LifetimeMiddleware(app, settings=settings())
-    call = middleware(raw_scope(CHAT_BYTES), body_receive(CHAT_BYTES), discard)
+    call = middleware(json_scope(CHAT_BYTES), body_receive(CHAT_BYTES), discard)
     if ending == "raises":
         with pytest.raises(RuntimeError, match="boom"):
             await call

@@ -44,7 +44,7 @@ from ._metrics import MULTIPROC_DIR_ENV, GatewayMetrics, make_metrics_route
 from ._prepare import Preparer, is_without_parse
 from ._refold import Conversation, Refold, default_refold
 from ._session_store import RedisSessionBook, make_session_book
-from ._shutdown import grace_starts_at, shutdown_requested
+from ._shutdown import StopSignal, grace_starts_at, shutdown_requested
 from ._upstream import AttemptEvent, UpstreamClient
 from ._workers import Report, WorkerStats
 
@@ -142,8 +142,8 @@ def create_app(
         upstream.start()  # UPSTREAM_TRANSPORT is chosen in this loop: one it cannot run fails startup
         try:
             async with anyio.create_task_group() as tg:
-                # Created here, in the loop that serves requests (an Event belongs to one loop).
-                forwarder.stop = drain.stop = anyio.Event()
+                # Created here: it cancels scopes of the loop that serves requests, and is set in it.
+                forwarder.stop = drain.stop = StopSignal()
                 tg.start_soon(drain.watch)
                 if isinstance(book, RedisSessionBook):
                     await tg.start(book.run)  # waits at most SESSION_STORE_TIMEOUT for Redis
@@ -214,7 +214,7 @@ class _Drain:
 
     def __init__(self, lifetime: Lifetime) -> None:
         self.lifetime = lifetime
-        self.stop: anyio.Event | None = None  # set up by the lifespan; no lifespan, no draining
+        self.stop: StopSignal | None = None  # set up by the lifespan; no lifespan, no draining
         self.draining = False
 
     async def watch(self) -> None:

@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from .._asgi import is_json, send_error, single_field, upstream_path, wait_disconnect
+from .._asgi import is_json, send_error, single_field, upstream_path
 from .._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
 from .._middleware import Lifetime, RequestLifetime
 from .._resources import RequestResources, Resource
@@ -26,7 +27,8 @@ from ._bookkeeping import Bookkeeper, Claim, Outcome, SessionBook, record_outcom
 from ._memory import trim_after_large_request
 from ._prepare import Prepared, Preparer, prepare
 from ._refold import Conversation, Refold, default_refold
-from ._relay import RelayResult, filter_headers, relay
+from ._relay import ClientWatch, RelayResult, filter_headers, relay
+from ._shutdown import StopSignal
 from ._spill import spill
 from ._transport import close_response
 from ._upstream import UpstreamClient
@@ -63,6 +65,17 @@ class _InputCharge:
             trim_after_large_request(self.size, enabled=self.trim)  # give the freed parse back to the OS (glibc)
 
 
+class _Exchange:
+    """What forwarding and relaying one request tell its bookkeeping, filled in as they go."""
+
+    __slots__ = ("attempts", "upstream", "result")
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.upstream: str | None = None
+        self.result: RelayResult | None = None  # None: the client left before the relay
+
+
 class Forwarder:
     """ASGI endpoint for forwarded routes. Per request state lives in holders and locals of
     ``__call__``; the instance only holds what all requests share."""
@@ -76,7 +89,7 @@ class Forwarder:
         bookkeepers: Sequence[Bookkeeper],
         book: SessionBook,
         refold_factory: Callable[[Conversation], Refold] = default_refold,
-        stop: anyio.Event | None = None,
+        stop: StopSignal | None = None,
     ) -> None:
         self.lifetime = lifetime
         self.settings = lifetime.settings
@@ -97,7 +110,7 @@ class Forwarder:
         started = time.monotonic()
         session_id: str | None = None
         status, outcome, bytes_out, first_byte_at = 0, "error", 0, None
-        attempts, upstream_url = 0, None
+        exchange = _Exchange()
         claim: Claim | None = None
         try:
             session_id = self._session_id(scope)
@@ -106,17 +119,13 @@ class Forwarder:
                 if self._claims:  # bounded by SESSION_STORE_TIMEOUT; the in-memory book never gets here
                     claim = await self.book.claim(session_id, state.fingerprint, started)
             prepared, held = await self._prepare(scope, receive, state, session_id)
-            try:
-                response = await self._forward(prepared, held, receive, session_id)
-            finally:
-                held.release()  # already done at settle; here for the paths that never reached it
-            if response is None:  # the client left while retries were running
+            await self._watched(
+                receive, functools.partial(self._exchange, scope, send, prepared, held, session_id, exchange)
+            )
+            result = exchange.result
+            if result is None:  # the client left while retries were running
                 status, outcome = 499, "client_disconnected"
                 return
-            resources.add(response.aclose)  # closed when the request settles, whatever happens below
-            attempts = int(response.extensions.get("asgi_lifetime.attempts", 1))
-            upstream_url = response.extensions.get("asgi_lifetime.upstream")
-            result = await self._relay(scope, receive, send, response, prepared, session_id)
             status, outcome, bytes_out, first_byte_at = (
                 result.status,
                 result.outcome,
@@ -133,8 +142,8 @@ class Forwarder:
                 path=scope["path"],
                 status=status,
                 bytes_out=bytes_out,
-                attempts=attempts,
-                upstream=upstream_url,
+                attempts=exchange.attempts,
+                upstream=exchange.upstream,
                 started=started,
                 first_byte_at=first_byte_at,
                 ended=time.monotonic(),
@@ -144,10 +153,55 @@ class Forwarder:
             for bookkeeper in self.bookkeepers:
                 await record_outcome(bookkeeper, finished)
 
+    @staticmethod
+    async def _watched(receive: Receive, work: Callable[[ClientWatch], Awaitable[None]]) -> None:
+        """Run ``work`` under the request's one helper task, a ``ClientWatch``: a client that leaves
+        cancels what is under way (retries and backoff, or the relay) and closes the upstream."""
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            watch = ClientWatch(receive)
+            tg.start_soon(watch.run)
+            try:
+                await work(watch)
+            except Exception as exc:  # raised below as it is, not wrapped in the task group's ExceptionGroup
+                error = exc
+            if watch.running and watch.answered:
+                # The server reports a disconnect once the response is complete (ASGI): the watch ends by
+                # itself at the next loop turn. Cheaper than cancelling it (anyio formats the cancelling
+                # task's repr into each cancel's reason).
+                await anyio.lowlevel.checkpoint()
+            if watch.running:
+                tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
+
+    async def _exchange(
+        self,
+        scope: Scope,
+        send: Send,
+        prepared: Prepared,
+        held: _InputCharge,
+        session_id: str | None,
+        exchange: _Exchange,
+        watch: ClientWatch,
+    ) -> None:
+        """Forward, then relay the answer (``exchange.result``; left None if the client left first)."""
+        try:
+            response = await self._forward(prepared, held, watch, session_id)
+        finally:
+            held.release()  # already done at settle; here for the paths that never reached it
+        if response is None:
+            return
+        resources: RequestResources = scope["state"]["lifetime"].resources
+        resources.add(response.aclose)  # closed when the request settles, whatever happens below
+        exchange.attempts = int(response.extensions.get("asgi_lifetime.attempts", 1))
+        exchange.upstream = response.extensions.get("asgi_lifetime.upstream")
+        exchange.result = await self._relay(scope, watch, send, response, prepared, session_id)
+
     async def _relay(
         self,
         scope: Scope,
-        receive: Receive,
+        watch: ClientWatch,
         send: Send,
         response: httpx.Response,
         prepared: Prepared,
@@ -166,7 +220,8 @@ class Forwarder:
             return await relay(
                 response,
                 send=send,
-                receive=receive,
+                receive=watch.receive,
+                watch=watch,
                 stall_timeout=self.settings.stall_timeout,
                 keepalive_interval=self.settings.keepalive_interval,
                 reissue=reissue if prepared.has_body else None,
@@ -222,31 +277,28 @@ class Forwarder:
         return result
 
     async def _forward(
-        self, prepared: Prepared, held: _InputCharge, receive: Receive, session_id: str | None
+        self, prepared: Prepared, held: _InputCharge, watch: ClientWatch, session_id: str | None
     ) -> httpx.Response | None:
         """``UpstreamClient.forward``, abandoned (None) if the client disconnects meanwhile:
         retries and backoff must not outlive the client that asked for them."""
         response: httpx.Response | None = None
         error: LifetimeError | None = None
-        gone = anyio.Event()
-
-        async def watch_disconnect() -> None:
-            await wait_disconnect(receive)
-            gone.set()
-            tg.cancel_scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_disconnect)
-            try:
-                response = await self.upstream.forward(prepared, on_retries_settled=held.release, session_id=session_id)
-                if response.status_code >= 400:
-                    # Read here, where a client leaving is noticed: the read stops, the upstream is closed.
-                    response = await self.upstream.capped(response)
-            except LifetimeError as exc:
-                error = exc.with_traceback(None)  # a kept traceback would keep the retry loop's frames
-            finally:
-                tg.cancel_scope.cancel()
-        if gone.is_set():
+        cut = anyio.CancelScope()
+        watch.attach(cut)
+        try:
+            with cut:
+                try:
+                    response = await self.upstream.forward(
+                        prepared, on_retries_settled=held.release, session_id=session_id
+                    )
+                    if response.status_code >= 400:
+                        # Read here, where a client leaving is noticed: the read stops, the upstream is closed.
+                        response = await self.upstream.capped(response)
+                except LifetimeError as exc:
+                    error = exc.with_traceback(None)  # a kept traceback would keep the retry loop's frames
+        finally:
+            watch.detach()
+        if watch.gone:
             if response is not None:  # answered in the same moment the client left
                 await close_response(response)
             return None

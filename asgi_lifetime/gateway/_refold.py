@@ -51,39 +51,39 @@ _WINDOW_FILL: Final = 0.9
 _SHRINK: Final = 0.75
 _BYTES_PER_TOKEN: Final = 4
 
+
+def _compiled(*patterns: str) -> tuple[re.Pattern[str], ...]:
+    """A table of patterns, compiled once."""
+    return tuple(re.compile(p) for p in patterns)
+
+
 _N = r"(\d[\d,_]*)"
 # Each pattern alone identifies a context overflow; a group, when present, is the window.
-_OVERFLOW_PATTERNS: Final = tuple(
-    re.compile(p)
-    for p in (
-        r"context_length_exceeded",
-        rf"maximum context length is {_N} tokens",
-        rf"prompt is too long(?:: [\d,_]+ tokens > {_N} maximum)?",
-        r"input is too long",
-        rf"exceeds the context window(?: of {_N} tokens)?",
-        rf"longer than the maximum model length of {_N}",  # vLLM: decoder prompt
-        rf"input token count \([\d,_]+\) exceeds the maximum number of tokens allowed \({_N}\)",  # Gemini
-        rf"too large for model with {_N} maximum context length",  # Mistral
-        r"exceeds the available context size",  # llama.cpp
-    )
+_OVERFLOW_PATTERNS: Final = _compiled(
+    r"context_length_exceeded",
+    rf"maximum context length is {_N} tokens",
+    rf"prompt is too long(?:: [\d,_]+ tokens > {_N} maximum)?",
+    r"input is too long",
+    rf"exceeds the context window(?: of {_N} tokens)?",
+    rf"longer than the maximum model length of {_N}",  # vLLM: decoder prompt
+    rf"input token count \([\d,_]+\) exceeds the maximum number of tokens allowed \({_N}\)",  # Gemini
+    rf"too large for model with {_N} maximum context length",  # Mistral
+    r"exceeds the available context size",  # llama.cpp
 )
 # "limit of N tokens" also phrases output-token limits, which a smaller input cannot fix.
 _LIMIT_PATTERN: Final = re.compile(rf"limit of {_N} tokens")
 _OUTPUT_LIMIT: Final = re.compile(r"max_(?:completion_)?tokens|output tokens|completion tokens")
 
 _R = r"['\"`]?([a-z_]+)['\"`]?"
-_ROLE_PATTERNS: Final = tuple(
-    re.compile(p)
-    for p in (
-        rf"unexpected role[:\s]+{_R}",
-        rf"(?:invalid|unknown|unsupported) role[:\s]+{_R}",
-        rf"role {_R} is not (?:supported|allowed|valid)",
-        rf"\b{_R} role (?:is )?not (?:supported|allowed)",
-        rf"does not support (?:the )?{_R} role",
-        # OpenAI-style enum error on messages[].role: "Invalid value: 'developer'. Supported
-        # values are: 'system', 'assistant', 'user', ..." (the list must name 'user').
-        rf"invalid value: {_R}\. supported values are:[^.]*'user'",
-    )
+_ROLE_PATTERNS: Final = _compiled(
+    rf"unexpected role[:\s]+{_R}",
+    rf"(?:invalid|unknown|unsupported) role[:\s]+{_R}",
+    rf"role {_R} is not (?:supported|allowed|valid)",
+    rf"\b{_R} role (?:is )?not (?:supported|allowed)",
+    rf"does not support (?:the )?{_R} role",
+    # OpenAI-style enum error on messages[].role: "Invalid value: 'developer'. Supported
+    # values are: 'system', 'assistant', 'user', ..." (the list must name 'user').
+    rf"invalid value: {_R}\. supported values are:[^.]*'user'",
 )
 
 

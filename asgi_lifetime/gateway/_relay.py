@@ -38,6 +38,7 @@ closed whatever happens, cancellation included.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -45,6 +46,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 import httpx
 from starlette.types import Message, Receive, Send
 
@@ -60,10 +62,11 @@ from .._exceptions import (
 )
 from .._stats import Counters
 from ._bookkeeping import Ending
+from ._shutdown import StopSignal
 from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
-__all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "RelayResult", "filter_headers", "relay"]
+__all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "ClientWatch", "RelayResult", "filter_headers", "relay"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,11 @@ _SERVER_SET = frozenset({b"date", b"server"})
 EVENT_HOLD_LIMIT = MAX_BUFFER
 # Whole events held back after a terminal event that would count as starvation (see _Relay._release).
 _WITHHOLD_LIMIT = 64 * 1024
+# Chunks relayed between two event-loop turns at most. Neither the send lock (fast_acquire) nor,
+# often, the read yields: httpcore returns the HTTP chunks h11 already parsed from one socket read
+# without awaiting anything, so an upstream sending 2-byte chunks would hold the loop for all of a
+# 64 KiB read (~9,000 chunks, hundreds of ms in which no other request moves).
+_CHUNKS_PER_TURN = 32
 _COLLECT_LIMIT = 64 * 1024 * 1024
 _CLIENT_DISCONNECTED_STATUS = 499
 _NO_BODY_STATUSES = frozenset({204, 304})
@@ -156,7 +164,7 @@ class _Relay:
         reissue: Callable[[], Awaitable[httpx.Response | None]] | None,
         counters: Counters | None,
         on_first_byte: Callable[[], None] | None,
-        stop: anyio.Event | None = None,
+        stop: StopSignal | None = None,
         error_shape: ErrorShape = "openai",
     ) -> None:
         self.send = send
@@ -202,31 +210,22 @@ class _Relay:
         # are used, as the relative delay of anyio.sleep().
         self.last_sent = time.monotonic()
         self.helper_error: Exception | None = None
+        self.chunks = 0  # chunks relayed (see _CHUNKS_PER_TURN)
 
-    async def run(self, response: httpx.Response, receive: Receive) -> RelayResult:
+    async def run(self, response: httpx.Response, receive: Receive, watch: ClientWatch | None) -> RelayResult:
         self.responses.append(response)
         outcome: Ending = "client_disconnected"
         error: Exception | None = None
         try:
             self._use(response)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
-                if self.inband:
-                    tg.start_soon(self._keepalives, tg.cancel_scope)  # it watches ``stop`` too
-                elif self.stop is not None:
-                    tg.start_soon(self._watch_stop, self.stop)
-                try:
-                    with self.stop_scope:
-                        outcome = await self._relay(response)
-                    if self.stop_scope.cancelled_caught:
-                        # Graceful shutdown ran out of grace: end the stream with a clear error.
-                        await self._fail(
-                            AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
-                        )
-                        outcome = "shutdown"
-                except Exception as exc:  # re-raised below, unwrapped from the task group's ExceptionGroup
-                    error = exc
-                tg.cancel_scope.cancel()
+            if watch is None:  # called on its own: a helper task of its own watches the client
+                async with anyio.create_task_group() as tg:
+                    watch = ClientWatch(receive)
+                    tg.start_soon(watch.run)
+                    outcome, error = await self._watched(response, watch)
+                    tg.cancel_scope.cancel()
+            else:
+                outcome, error = await self._watched(response, watch)
             if error is None and self.helper_error is not None:
                 error = self.helper_error
             if isinstance(error, _ClientGone):
@@ -247,58 +246,47 @@ class _Relay:
         status = self.status or _CLIENT_DISCONNECTED_STATUS
         return RelayResult(status, self.bytes_out, self.first_byte_at, outcome, self.reissued)
 
+    async def _watched(self, response: httpx.Response, watch: ClientWatch) -> tuple[Ending, Exception | None]:
+        """Relay under ``watch``: a disconnect cancels it, and the watch sends its keep-alives. ``stop`` needs
+        no task: setting it cancels the scope registered here. Returns the outcome and the error that ended it."""
+        outcome: Ending = "client_disconnected"
+        error: Exception | None = None
+        cut = anyio.CancelScope()
+        stopping = self.stop.cancels(self.stop_scope) if self.stop is not None else contextlib.nullcontext()
+        watch.attach(cut, self)
+        try:
+            with cut:
+                try:
+                    with self.stop_scope, stopping:
+                        outcome = await self._relay(response)
+                    if self.stop_scope.cancelled_caught:
+                        # Graceful shutdown ran out of grace: end the stream with a clear error.
+                        await self._fail(
+                            AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
+                        )
+                        outcome = "shutdown"
+                except Exception as exc:  # raised by run(), after the closes (and out of any task group)
+                    error = exc
+        finally:
+            watch.detach()
+        return outcome, error
+
     def _answered(self) -> bool:
         """The client was sent a recognised stream's terminal event after its content."""
         tracker = self.tracker
         return tracker is not None and tracker.saw_terminal and not tracker.starved and not self.withheld
 
-    # -- helper tasks ---------------------------------------------------------------------------
+    # -- keep-alives (sent by the ClientWatch's task) -----------------------------------------------
 
-    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        try:
-            await wait_disconnect(receive)
-        except Exception:
-            logger.debug("receive() failed while watching for a disconnect", exc_info=True)
-            return
-        if not self.ended:
-            self.disconnected = True
-            scope.cancel()
-
-    async def _watch_stop(self, stop: anyio.Event) -> None:
-        await stop.wait()
-        self.stop_scope.cancel()
-
-    async def _keepalives(self, scope: anyio.CancelScope) -> None:
-        """While the upstream is quiet, send a keep-alive every ``keepalive_interval`` of client silence."""
-        try:
-            while True:
-                delay = self.last_sent + self.keepalive_interval - time.monotonic()
-                if delay > 0:
-                    await self._idle(delay)
-                    continue
-                async with self.lock:
-                    # Checked under the lock: the main task sends under it too. Only whole events
-                    # were sent, so the client is between events unless one is streaming through.
-                    if self.waiting and self.inband and not self.passthrough:
-                        await self._send_body(KEEPALIVE)
-                        continue
-                # Not safe now (client busy, inside an event): look again after another interval.
-                await self._idle(self.keepalive_interval)
-        except Exception as exc:
-            self.helper_error = exc
-            scope.cancel()
-
-    async def _idle(self, seconds: float) -> None:
-        """The keep-alive task's sleep, which also watches ``stop`` (one helper task per stream fewer)."""
-        stop = self.stop
-        if stop is None:
-            await anyio.sleep(seconds)
-            return
-        with anyio.move_on_after(seconds):
-            await stop.wait()
-        if stop.is_set():
-            self.stop_scope.cancel()
-            await anyio.sleep_forever()  # no keep-alive after the stop; the relay cancels this task
+    async def _keepalive(self) -> bool:
+        """Send a keep-alive comment if the client is between events and the main task waits on the upstream."""
+        async with self.lock:
+            # Checked under the lock: the main task sends under it too. Only whole events were
+            # sent, so the client is between events unless one is streaming through.
+            if self.waiting and not self.passthrough:
+                await self._send_body(KEEPALIVE)
+                return True
+        return False
 
     # -- relaying -------------------------------------------------------------------------------
 
@@ -424,37 +412,53 @@ class _Relay:
         """Relay ``response``'s bytes until it ends; raises ``_Stalled`` or the httpx error that ended it."""
         iterator = response.aiter_raw()
         finished = False  # the chain of stream generators ended (its end, an error, a cancellation)
-        # One stall scope for the whole response, armed only while waiting for the upstream (its
-        # deadline is pushed back before each read and lifted while the chunk is sent): a scope of
-        # its own per chunk cost more than the rest of relaying that chunk.
-        stall = anyio.CancelScope()
+        chunk = b""
         try:
-            with stall:
-                while True:
-                    self.waiting = finished = True
-                    stall.deadline = anyio.current_time() + self.stall_timeout
-                    try:
-                        chunk = await iterator.__anext__()
-                    except StopAsyncIteration:
-                        return
-                    finally:
-                        self.waiting = False
-                        stall.deadline = math.inf  # a slow client is not a stalled upstream
-                    finished = False
-                    if not chunk:
-                        continue
-                    if self.first_byte_at is None:
-                        self.first_byte_at = time.monotonic()
-                        if self.on_first_byte is not None:
-                            self.on_first_byte()
-                    async with self.lock:
-                        await self._on_chunk(chunk)
-                    del chunk  # hold no chunk while waiting for the next one
-            # Only the stall deadline ends the loop without a return or an exception.
-            raise _Stalled
+            while True:
+                # One stall scope for the whole response, armed only while waiting for the upstream (its
+                # deadline is pushed back before each read and lifted while the chunk is sent): a scope of
+                # its own per chunk cost more than the rest of relaying that chunk.
+                stall = anyio.CancelScope()
+                with stall:
+                    while True:
+                        self.waiting = finished = True
+                        stall.deadline = anyio.current_time() + self.stall_timeout
+                        try:
+                            chunk = await iterator.__anext__()
+                        except StopAsyncIteration:
+                            return
+                        finally:
+                            self.waiting = False
+                            stall.deadline = math.inf  # a slow client is not a stalled upstream
+                        finished = False
+                        if stall.cancel_called:
+                            break
+                        await self._forward(chunk)
+                        chunk = b""  # hold no chunk while waiting for the next one
+                if stall.cancelled_caught:
+                    raise _Stalled
+                # The deadline passed as this chunk arrived: the deadline's cancel ran before the reading task
+                # resumed (trio's socket read ends in a shielded checkpoint; asyncio's timer may run before the
+                # task's wake-up under load). The chunk came in time, but the scope stays cancelled (a cancel
+                # cannot be undone) and would cancel its sending: it is relayed outside, and a new scope follows.
+                await self._forward(chunk)
+                chunk = b""
         finally:
             self.waiting = False
             await stop_reading(response, iterator, finished=finished)
+
+    async def _forward(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        self.chunks += 1
+        if not self.chunks % _CHUNKS_PER_TURN:
+            await anyio.lowlevel.checkpoint()  # let the other requests move (see _CHUNKS_PER_TURN)
+        if self.first_byte_at is None:
+            self.first_byte_at = time.monotonic()
+            if self.on_first_byte is not None:
+                self.on_first_byte()
+        async with self.lock:
+            await self._on_chunk(chunk)
 
     async def _on_chunk(self, chunk: bytes) -> None:
         """Send the whole events ``chunk`` completes; hold the unfinished one (or stream it through if too large)."""
@@ -557,6 +561,108 @@ class _Relay:
             raise _ClientGone from exc
 
 
+class ClientWatch:
+    """A request's one helper task, from forwarding to the end of the relay: ``run`` waits for the client
+    to disconnect and then cancels the scope it watches over (``attach``); while a relay of an in-band
+    stream is attached, it also sends the relay's keep-alives (after ``keepalive_interval`` of client
+    silence, when the client is between events; if it is not, it tries again one interval later).
+
+    A disconnect once the relay handed over the response's last message changes nothing (servers report
+    one as soon as the response is complete). A ``receive()`` that fails ends the watching (logged).
+
+    ```python
+    watch = ClientWatch(receive)
+    tg.start_soon(watch.run)
+    result = await relay(response, send=send, receive=receive, watch=watch, ...)
+    ```
+    """
+
+    __slots__ = ("receive", "gone", "answered", "running", "_target", "_relay", "_waiting", "_not_before")
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.gone = False  # the client disconnected before its response was complete
+        self.answered = False  # a relay it watched handed the response's last message to the server
+        self.running = True  # run() has not returned
+        self._target: anyio.CancelScope | None = None
+        self._relay: _Relay | None = None
+        self._waiting: anyio.CancelScope | None = None
+        self._not_before = -math.inf
+
+    def attach(self, scope: anyio.CancelScope, relay: _Relay | None = None) -> None:
+        """Watch over ``scope`` (and ``relay``'s keep-alives) until ``detach()``; cancelled at once if gone."""
+        self._target, self._relay, self._not_before = scope, relay, -math.inf
+        if self.gone:
+            if relay is not None:
+                relay.disconnected = True
+            scope.cancel()
+        elif relay is not None and relay.inband and self._waiting is not None:
+            self._waiting.deadline = self._deadline()
+
+    def detach(self) -> None:
+        relay = self._relay
+        if relay is not None and relay.ended:
+            self.answered = True
+        self._target = self._relay = None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                # receive() is cancelled when a keep-alive is due: an ASGI server's receive() loses
+                # nothing by being cancelled (it waits for its next message).
+                with anyio.CancelScope(deadline=self._deadline()) as self._waiting:
+                    if await self._disconnected():
+                        self._on_disconnect()
+                    return
+                await self._keepalive()
+        except Exception as exc:  # a keep-alive could not be sent: the relay ends with that error
+            relay, target = self._relay, self._target
+            if relay is not None:
+                relay.helper_error = exc
+            if target is not None:
+                target.cancel()
+        finally:
+            self._waiting = None
+            self.running = False
+
+    def _deadline(self) -> float:
+        relay = self._relay
+        if relay is None or not relay.inband:
+            return math.inf
+        due = max(relay.last_sent + relay.keepalive_interval, self._not_before)
+        return anyio.current_time() + max(due - time.monotonic(), 0.0)
+
+    async def _keepalive(self) -> None:
+        relay = self._relay
+        if relay is None or not relay.inband:
+            return
+        now = time.monotonic()
+        if now < max(relay.last_sent + relay.keepalive_interval, self._not_before):
+            return  # the client got bytes meanwhile (or the clocks differ by a hair): wait again
+        if not await relay._keepalive():
+            self._not_before = now + relay.keepalive_interval
+
+    async def _disconnected(self) -> bool:
+        try:
+            await wait_disconnect(self.receive)
+        except Exception:
+            logger.debug("receive() failed while watching for a disconnect", exc_info=True)
+            return False
+        return True
+
+    def _on_disconnect(self) -> None:
+        if self.answered:
+            return  # the disconnect a server reports once the response is complete
+        relay = self._relay
+        if relay is not None:
+            if relay.ended:
+                return
+            relay.disconnected = True
+        self.gone = True
+        if self._target is not None:
+            self._target.cancel()
+
+
 async def relay(
     response: httpx.Response,
     *,
@@ -567,8 +673,9 @@ async def relay(
     reissue: Callable[[], Awaitable[httpx.Response | None]] | None = None,
     counters: Counters | None = None,
     on_first_byte: Callable[[], None] | None = None,
-    stop: anyio.Event | None = None,
+    stop: StopSignal | None = None,
     error_shape: ErrorShape = "openai",
+    watch: ClientWatch | None = None,
 ) -> RelayResult:
     """Stream an open httpx response (``client.send(request, stream=True)``) to an ASGI client.
 
@@ -578,7 +685,8 @@ async def relay(
     response. The upstream response (and a re-issued one) is always closed on return.
     ``stop``, when set, ends the stream early (graceful shutdown out of grace): a 503 if
     nothing was sent yet, else an in-band SSE ``error`` event with code ``shutting_down``.
-    The gateway's own errors take ``error_shape`` (see ``error_shape()``).
+    The gateway's own errors take ``error_shape`` (see ``error_shape()``). ``watch``: the request's
+    ``ClientWatch``, already running (it then watches this relay); without it, the relay runs one of its own.
     """
     if stall_timeout <= 0:
         raise ValueError(f"stall_timeout={stall_timeout} is invalid: must be greater than 0")
@@ -594,4 +702,4 @@ async def relay(
         stop=stop,
         error_shape=error_shape,
     )
-    return await state.run(response, receive)
+    return await state.run(response, receive, watch)

@@ -557,7 +557,11 @@ class UpstreamClient:
         release = self._pool.acquire(base)
         try:
             with anyio.fail_after(self._settings.headers_timeout):
-                response = await self._client.send(request, stream=True)
+                # Never a redirect followed, whatever client was passed in (the aiohttp transport does not
+                # either): httpx builds a redirect request with the client's cookie jar, which holds the
+                # Set-Cookie of every other client's answers (a client passed in keeps its jar), and
+                # re-sends the body to wherever Location says. The 3xx goes to the client as it came.
+                response = await self._client.send(request, stream=True, follow_redirects=False)
         except TimeoutError:
             release()
             return _Failure(

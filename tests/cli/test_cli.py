@@ -108,6 +108,20 @@ def subprocess_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
 
 
+def run_cli(
+    cwd: Path, *argv: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """``python -m asgi_lifetime ARGV`` run to its end in ``cwd``; ``env`` defaults to ``subprocess_env()``."""
+    return subprocess.run(
+        [sys.executable, "-m", "asgi_lifetime", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=subprocess_env() if env is None else env,
+        timeout=timeout,
+    )
+
+
 # --- parsing -------------------------------------------------------------------------
 
 
@@ -207,14 +221,7 @@ def test_a_bad_setting_is_one_line_and_exit_2(
 
 
 def test_a_bad_setting_in_a_real_process(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "asgi_lifetime", "serve", "--max-inflight", "0"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=subprocess_env(),
-        timeout=30,
-    )
+    done = run_cli(tmp_path, "serve", "--max-inflight", "0")
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.splitlines() == [
@@ -268,14 +275,7 @@ def test_refusal(key: str | None, gateway_keys: tuple[str, ...], host: str, refu
 
 def test_refusal_in_a_real_process(tmp_path: Path) -> None:
     env = {**subprocess_env(), f"{ENV_PREFIX}UPSTREAM_API_KEY": SECRET}
-    done = subprocess.run(
-        [sys.executable, "-m", "asgi_lifetime", "serve", "--host", "0.0.0.0", "--upstream", "http://127.0.0.1:9"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=30,
-    )
+    done = run_cli(tmp_path, "serve", "--host", "0.0.0.0", "--upstream", "http://127.0.0.1:9", env=env)
     assert done.returncode == 2
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("asgi-lifetime: refusing to serve on 0.0.0.0")

@@ -2,9 +2,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +9,9 @@ from rich.console import Console
 
 from asgi_lifetime import MiB
 from asgi_lifetime._cli._demo import STREAMING, _Conversation, _RichDisplay, _Watch, main
-from asgi_lifetime._settings import ENV_PREFIX
 from asgi_lifetime.gateway._upstream import AttemptEvent
+
+from .test_cli import run_cli
 
 
 def test_the_short_demo_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
@@ -49,15 +47,7 @@ def test_the_demo_without_faults_takes_one_attempt(capsys: pytest.CaptureFixture
 
 
 def test_the_demo_command_in_a_real_process(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-    done = subprocess.run(
-        [sys.executable, "-m", "asgi_lifetime", "demo", "--size-mib", "1", "--tokens", "10"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=60,
-    )
+    done = run_cli(tmp_path, "demo", "--size-mib", "1", "--tokens", "10", timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "RELEASED" in done.stdout and done.stdout.rstrip().endswith("result: OK")  # plain: stdout is a pipe
     assert "\x1b[" not in done.stdout

@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from .._servers import threaded_server
+
 # A script step: bytes are written; CLOSE hangs up; HOLD waits (bounded) until the peer hangs up;
 # a callable is called (it may block on an event) and what it returns is written.
 CLOSE = "close"
@@ -39,7 +41,7 @@ class RawRequest:
 
 @dataclass
 class RawUpstream:
-    url: str
+    url: str = ""
     requests: list[RawRequest] = field(default_factory=list)
     connections: int = 0
     held: threading.Event = field(default_factory=threading.Event)  # a HOLD step is waiting
@@ -76,17 +78,13 @@ def _read_request(sock: socket.socket, buffer: bytearray) -> tuple[RawRequest | 
 
 @contextlib.contextmanager
 def raw_upstream(answer: Callable[[RawRequest], Script]) -> Iterator[RawUpstream]:
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    listener.settimeout(0.2)
-    upstream = RawUpstream(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    upstream = RawUpstream()
     stop = threading.Event()
     lock = threading.Lock()
-    threads: list[threading.Thread] = []
 
     def serve(sock: socket.socket, number: int) -> None:
+        with lock:
+            upstream.connections += 1
         buffer = bytearray()
         with sock:
             sock.settimeout(_HOLD_LIMIT)
@@ -116,31 +114,12 @@ def raw_upstream(answer: Callable[[RawRequest], Script]) -> Iterator[RawUpstream
             except OSError:
                 return
 
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with lock:
-                number = upstream.connections
-                upstream.connections += 1
-            thread = threading.Thread(target=serve, args=(sock, number), daemon=True)
-            threads.append(thread)
-            thread.start()
-
-    acceptor = threading.Thread(target=accept, daemon=True)
-    acceptor.start()
-    try:
-        yield upstream
-    finally:
-        stop.set()
-        acceptor.join(5)
-        listener.close()
-        for thread in threads:
-            thread.join(_HOLD_LIMIT + 5)
+    with threaded_server(serve, name="raw-upstream", join=_HOLD_LIMIT + 5) as url:
+        upstream.url = url
+        try:
+            yield upstream
+        finally:
+            stop.set()
 
 
 def response(

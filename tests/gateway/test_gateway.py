@@ -616,3 +616,93 @@ async def test_same_session_concurrency() -> None:
     assert entry.requests == n
     assert app.state.book.recomputations == n  # every body differs, so every hash changed
     await assert_idle(app)
+
+
+def _running() -> set[tuple[int, str | None]]:
+    # With the name: trio may give a new task the id of one that ended.
+    return {(task.id, task.name) for task in anyio.get_running_tasks()}
+
+
+class _RecordingStream(httpx.AsyncByteStream):
+    """An upstream answer that notes the running tasks while the gateway relays it."""
+
+    def __init__(self, chunks: list[bytes], seen: list[set[tuple[int, str | None]]]) -> None:
+        self.chunks = chunks
+        self.seen = seen
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            self.seen.append(_running())
+            yield chunk
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["event-stream", "json"])
+async def test_one_helper_task_watches_the_client_from_forwarding_to_the_end_of_the_relay(streamed: bool) -> None:
+    """Retries and the relay are watched by the same task: one helper task per request, not one per stage."""
+    seen: list[set[tuple[int, str | None]]] = []
+    if streamed:
+        chunks = [b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', b"data: [DONE]\n\n"]
+        headers = {"content-type": "text/event-stream"}
+    else:
+        chunks, headers = [json.dumps(OK).encode()], JSON_HEADERS
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(_running())  # while forwarding
+        await anyio.lowlevel.checkpoint()
+        return httpx.Response(200, headers=headers, stream=_RecordingStream(chunks, seen))
+
+    with respx.mock(base_url=BASE, assert_all_called=True) as router:
+        router.post(PATH).mock(side_effect=answer)
+        async with gateway() as (app, client):
+            before = _running()
+            response = await client.post(PATH, json={**CHAT, "stream": streamed})
+    assert response.status_code == 200 and response.content == b"".join(chunks)
+    assert len(seen) == 1 + len(chunks)
+    helpers = [tasks - before for tasks in seen]
+    assert len(helpers[0]) == 1 and all(each == helpers[0] for each in helpers), helpers
+    await assert_idle(app)
+
+
+_EVENTS = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["event-stream", "json"])
+async def test_the_client_watch_ends_by_itself_once_the_response_is_complete(
+    streamed: bool, monkeypatch: pytest.MonkeyPatch, anyio_backend: str
+) -> None:
+    """The server reports a disconnect once the response is complete: the request's watch task ends
+    on it, and is not cancelled (each cancel costs anyio a repr of the cancelling task)."""
+    from asgi_lifetime.gateway._relay import ClientWatch
+
+    endings: list[str] = []
+    real_run = ClientWatch.run
+
+    async def run(self: ClientWatch) -> None:
+        try:
+            await real_run(self)
+        except anyio.get_cancelled_exc_class():
+            endings.append("cancelled")
+            raise
+        endings.append("gone" if self.gone else "ended")
+
+    monkeypatch.setattr(ClientWatch, "run", run)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if streamed:
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_EVENTS)
+        return httpx.Response(200, json=OK)
+
+    with respx.mock(base_url=BASE, assert_all_called=True) as router:
+        router.post(PATH).mock(side_effect=answer)
+        async with gateway() as (app, client):
+            for _ in range(3):
+                response = await client.post(PATH, json={**CHAT, "stream": streamed})
+                assert response.status_code == 200
+    if anyio_backend == "asyncio":
+        assert endings == ["ended"] * 3
+    else:  # trio may run the gateway's task again before the watch's: it is then cancelled, as before
+        assert len(endings) == 3 and set(endings) <= {"ended", "cancelled"}, endings
+    await assert_idle(app)

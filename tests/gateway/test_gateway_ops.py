@@ -29,6 +29,7 @@ from asgi_lifetime.gateway._shutdown import request_shutdown, reset_shutdown
 from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime.testing._upstream import create_demo_upstream
 
+from .._asgi import json_scope
 from ..reliability.test_faults import assert_idle, running
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -164,21 +165,7 @@ async def test_client_leaving_during_backoff_stops_the_retries() -> None:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        "server": ("testserver", 80),
-        "client": ("127.0.0.1", 1),
-        "app": app,
-    }
+    scope = json_scope(body, "/v1/chat/completions", app=app)
     started = time.monotonic()
     with anyio.fail_after(5):
         await app(scope, receive, send)

@@ -10,12 +10,11 @@ import pytest
 import respx
 
 from asgi_lifetime import LifetimeSettings, _json
-from asgi_lifetime._fingerprint import fingerprint
-from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._settings import RetainOutbound
-from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway import _memory, create_app
-from asgi_lifetime.gateway._prepare import Draft, prepare
+from asgi_lifetime.gateway._prepare import Draft
+
+from .test_prepare import run
 
 
 def test_small_requests_are_trimmed_once_they_add_up_to_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,18 +104,7 @@ async def test_prepare_trims_while_serializing_only_when_enabled(
     calls = _count_trims(monkeypatch)
     raw = _large_conversation()
     parsed = _json.loads(raw)
-    prepared = await prepare(
-        raw,
-        parsed,
-        preparers=[_inject_system],
-        fingerprint=fingerprint(raw, parsed=parsed),
-        session_id=None,
-        method="POST",
-        path=PATH,
-        headers=[],
-        resources=RequestResources(Counters()),
-        malloc_trim=malloc_trim,
-    )
+    prepared = await run([_inject_system], raw, parsed, session_id=None, path=PATH, headers=[], malloc_trim=malloc_trim)
     assert prepared.body is not None and len(prepared.body) > LARGE
     assert (len(calls) >= 1) is malloc_trim, calls
 

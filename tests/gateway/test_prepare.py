@@ -27,20 +27,25 @@ class Message(dict[str, Any]):
 
 
 async def run(
-    preparers: list[Preparer], raw: bytes = RAW, parsed: Any = None, resources: RequestResources | None = None
+    preparers: list[Preparer],
+    raw: bytes = RAW,
+    parsed: Any = None,
+    resources: RequestResources | None = None,
+    **options: Any,
 ) -> Prepared:
+    """``prepare`` of ``raw`` (parsed here unless given) as session s1's chat request; ``options``
+    replace any other argument."""
     parsed = _json.loads(raw) if parsed is None else parsed
-    return await prepare(
-        raw,
-        parsed,
-        preparers=preparers,
-        fingerprint=fingerprint(raw, parsed=parsed),
-        session_id="s1",
-        method="POST",
-        path="/v1/chat/completions?stream=true",
-        headers=HEADERS,
-        resources=resources or RequestResources(Counters()),
-    )
+    arguments: dict[str, Any] = {
+        "preparers": preparers,
+        "fingerprint": fingerprint(raw, parsed=parsed),
+        "session_id": "s1",
+        "method": "POST",
+        "path": "/v1/chat/completions?stream=true",
+        "headers": HEADERS,
+        "resources": resources or RequestResources(Counters()),
+    }
+    return await prepare(raw, parsed, **{**arguments, **options})
 
 
 async def test_unchanged_body_is_the_raw_bytes_themselves() -> None:
@@ -213,18 +218,7 @@ async def test_a_custom_refold_factory_gets_the_final_parse_until_settle() -> No
     scope = RequestResources(Counters())
     raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
     parsed = _json.loads(raw)
-    prepared = await prepare(
-        raw,
-        parsed,
-        preparers=[add],
-        fingerprint=fingerprint(raw, parsed=parsed),
-        session_id=None,
-        method="POST",
-        path="/",
-        headers=[],
-        resources=scope,
-        refold_factory=factory,
-    )
+    prepared = await run([add], raw, parsed, scope, session_id=None, path="/", headers=[], refold_factory=factory)
     del parsed
     added = weakref.ref(seen[0].items[-1])
     assert len(seen[0].items) == 2  # serialized without emptying: the custom closure sees the whole parse

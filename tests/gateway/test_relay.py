@@ -11,7 +11,8 @@ import pytest
 from starlette.types import Message
 
 from asgi_lifetime._stats import Counters
-from asgi_lifetime.gateway._relay import HOP_BY_HOP, RelayResult, filter_headers, relay
+from asgi_lifetime.gateway._relay import HOP_BY_HOP, ClientWatch, RelayResult, filter_headers, relay
+from asgi_lifetime.gateway._shutdown import StopSignal
 from asgi_lifetime.gateway._sse import KEEPALIVE, SSEEvent, SSEParser
 
 SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8"}
@@ -486,19 +487,26 @@ async def test_a_slow_client_is_not_a_stalled_upstream(sse_stream: bool) -> None
     assert client.body == b"".join(chunks)
 
 
+def count_timed_scopes(monkeypatch: pytest.MonkeyPatch, *, shielded_only: bool = False) -> list[float]:
+    """The delay of every ``anyio.move_on_after`` scope (or shielded one) opened from now on (the scopes still work)."""
+    scopes: list[float] = []
+    real = anyio.move_on_after
+
+    def counting(delay: float, shield: bool = False) -> anyio.CancelScope:
+        if shield or not shielded_only:
+            scopes.append(delay)
+        return real(delay, shield=shield)
+
+    monkeypatch.setattr(anyio, "move_on_after", counting)
+    return scopes
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("sse_stream", [False, True])
 async def test_no_timer_scope_per_chunk(sse_stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Relaying a long stream sets up its stall guard once, not once per chunk (a cancel scope
     and a timer each cost more than relaying a small chunk), and still catches a stall after it."""
-    scopes: list[float] = []
-    real = anyio.move_on_after
-
-    def counting(delay: float, shield: bool = False) -> anyio.CancelScope:
-        scopes.append(delay)
-        return real(delay, shield=shield)
-
-    monkeypatch.setattr(anyio, "move_on_after", counting)
+    scopes = count_timed_scopes(monkeypatch)
     chunks = [sse(delta(content=str(i))) for i in range(40)]
     headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
     client = Client()
@@ -514,14 +522,7 @@ async def test_a_response_read_to_its_end_is_not_closed_again(
 ) -> None:
     """httpx closes a response as its last chunk is read: the relay's closes (stop reading, close
     each response) then skip the shielded, time-bounded close they need for an unfinished one."""
-    scopes: list[float] = []
-    real = anyio.move_on_after
-
-    def counting(delay: float, shield: bool = False) -> anyio.CancelScope:
-        scopes.append(delay)
-        return real(delay, shield=shield)
-
-    monkeypatch.setattr(anyio, "move_on_after", counting)
+    scopes = count_timed_scopes(monkeypatch, shielded_only=True)  # the keep-alive wait has one of its own
     stream = Upstream(ROLE, HELLO, STOP + DONE)
     headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
     response = upstream_response(stream, headers=headers)
@@ -944,11 +945,9 @@ async def test_invalid_timeouts() -> None:
 # -- graceful shutdown: the stop event -------------------------------------------------------
 
 
-@pytest.mark.anyio
-async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
-    stream = Upstream(ROLE + sse(delta(content="Hi")), 30.0, DONE)
-    stop = anyio.Event()
-    client = Client()
+async def run_stopped_after_first_byte(response: httpx.Response, client: Client) -> RelayResult:
+    """``run`` with a stop event that is set once the client has seen the first body bytes."""
+    stop = StopSignal()
 
     async def stop_after_first_byte() -> None:
         await client.body_seen.wait()
@@ -956,7 +955,15 @@ async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop_after_first_byte)
-        result = await run(upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=10, stop=stop)
+        result = await run(response, client, stall_timeout=10, stop=stop)
+    return result
+
+
+@pytest.mark.anyio
+async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
+    stream = Upstream(ROLE + sse(delta(content="Hi")), 30.0, DONE)
+    client = Client()
+    result = await run_stopped_after_first_byte(upstream_response(stream, headers=SSE_HEADERS), client)
     assert result.outcome == "shutdown"
     assert client.status == 200 and client.ended
     error = client.error_event()
@@ -973,16 +980,8 @@ async def test_stop_mid_stream_ends_with_an_inband_shutdown_error() -> None:
 async def test_stop_mid_stream_ends_a_stream_without_keepalives(headers: dict[str, str]) -> None:
     """No keep-alive task (not an in-band stream): the stop is watched by a task of its own."""
     stream = Upstream(b'{"choices": [', 30.0, b"]}")
-    stop = anyio.Event()
     client = Client()
-
-    async def stop_after_first_byte() -> None:
-        await client.body_seen.wait()
-        stop.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(stop_after_first_byte)
-        result = await run(upstream_response(stream, headers=headers), client, stall_timeout=10, stop=stop)
+    result = await run_stopped_after_first_byte(upstream_response(stream, headers=headers), client)
     assert result.outcome == "shutdown"
     assert client.status == 200 and not client.ended  # cut short: it cannot be made to look complete
     assert stream.closed
@@ -991,7 +990,7 @@ async def test_stop_mid_stream_ends_a_stream_without_keepalives(headers: dict[st
 @pytest.mark.anyio
 async def test_stop_before_first_byte_is_a_503_with_retry_after() -> None:
     stream = Upstream(30.0, DONE)
-    stop = anyio.Event()
+    stop = StopSignal()
     stop.set()
     client = Client()
     result = await run(upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=10, stop=stop)
@@ -1004,5 +1003,104 @@ async def test_stop_before_first_byte_is_a_503_with_retry_after() -> None:
 @pytest.mark.anyio
 async def test_unset_stop_changes_nothing() -> None:
     stream = Upstream(ROLE, sse(delta(content="Hi")), sse(finish()), DONE)
-    result = await run(upstream_response(stream, headers=SSE_HEADERS), Client(), stop=anyio.Event())
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), Client(), stop=StopSignal())
     assert result.outcome == "complete"
+
+
+# -- one helper task per relay ------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("with_stop", [False, True], ids=["no-stop", "stop"])
+@pytest.mark.parametrize("headers", [SSE_HEADERS, {"content-type": "application/json"}], ids=["event-stream", "json"])
+async def test_a_relay_runs_one_helper_task(headers: dict[str, str], with_stop: bool) -> None:
+    """Disconnect watching and keep-alives share one task, and ``stop`` needs none: it cancels the
+    scope the relay registered, and the registration ends with the relay."""
+    stream = Upstream(ROLE, 30.0, DONE)
+    stop = StopSignal() if with_stop else None
+    client = Client()
+    counted: list[int] = []
+
+    async def relay_it() -> None:
+        await run(upstream_response(stream, headers=headers), client, stall_timeout=10, stop=stop)
+
+    async with anyio.create_task_group() as tg:
+        before = len(anyio.get_running_tasks())
+        tg.start_soon(relay_it)
+        with anyio.fail_after(5):
+            await client.body_seen.wait()
+        counted.append(len(anyio.get_running_tasks()) - before)
+        client.disconnect()
+    assert counted == [2]  # the relaying task and its one helper
+    assert stream.closed
+    if stop is not None:
+        assert not stop._scopes  # nothing registered outlives the relay
+
+
+@pytest.mark.anyio
+async def test_a_disconnect_after_keepalives_still_ends_the_relay() -> None:
+    """The helper's wait for a disconnect is cancelled whenever a keep-alive is due; it is
+    taken up again after each, so a client leaving later is still noticed at once."""
+    stream = Upstream(ROLE, 30.0, DONE)
+    client = Client()
+    result: list[RelayResult] = []
+    third_keepalive = anyio.Event()
+
+    async def send(message: Message) -> None:
+        await client.send(message)
+        if client.bodies.count(KEEPALIVE) >= 3:
+            third_keepalive.set()
+
+    async def relay_it() -> None:
+        result.append(
+            await relay(
+                upstream_response(stream, headers=SSE_HEADERS),
+                send=send,
+                receive=client.receive,
+                stall_timeout=20,
+                keepalive_interval=0.02,
+            )
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(relay_it)
+        with anyio.fail_after(5):
+            await third_keepalive.wait()
+        client.disconnect()
+    assert result[0].outcome == "client_disconnected"
+    assert stream.closed
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("headers", [SSE_HEADERS, {"content-type": "application/json"}], ids=["event-stream", "json"])
+async def test_a_stop_set_before_the_relay_cancels_it_at_once(headers: dict[str, str]) -> None:
+    stop = StopSignal()
+    stop.set()
+    stream = Upstream(30.0, DONE)
+    result = await run(upstream_response(stream, headers=headers), Client(), stop=stop)
+    assert result.outcome == "shutdown" and result.status == 503
+    assert stream.closed and not stop._scopes
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("headers", [SSE_HEADERS, {"content-type": "application/json"}], ids=["event-stream", "json"])
+async def test_a_client_gone_before_the_relay_starts_is_not_relayed_to(headers: dict[str, str]) -> None:
+    """The request's watch saw the disconnect between forwarding and relaying (nothing to cancel then):
+    the relay it is handed ends at once, and closes the upstream."""
+    client = Client()
+    client.disconnect()
+    watch = ClientWatch(client.receive)
+    await watch.run()  # returns at the disconnect
+    assert watch.gone
+    stream = Upstream(30.0, DONE)
+    with anyio.fail_after(5):
+        result = await relay(
+            upstream_response(stream, headers=headers),
+            send=client.send,
+            receive=client.receive,
+            stall_timeout=10,
+            keepalive_interval=1,
+            watch=watch,
+        )
+    assert result.outcome == "client_disconnected" and result.status == 499
+    assert stream.closed and client.messages == []

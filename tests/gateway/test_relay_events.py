@@ -36,6 +36,7 @@ from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway._relay import EVENT_HOLD_LIMIT, relay
 from asgi_lifetime.gateway._sse import MAX_BUFFER, SSEEvent, SSEParser
 
+from .._servers import threaded_server
 from ..reliability.test_faults import Stack, assert_idle, running
 from .test_relay import SSE_HEADERS, Client, Reissuer, Upstream, upstream_response
 
@@ -483,30 +484,13 @@ class RawUpstream:
 
 @contextlib.contextmanager
 def raw_upstream() -> Iterator[RawUpstream]:
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.02)
-    upstream = RawUpstream(url=f"http://127.0.0.1:{server.getsockname()[1]}")
-    stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=upstream.serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, name="raw-upstream", daemon=True)
-    thread.start()
-    try:
-        yield upstream
-    finally:
-        stop.set()
-        upstream.release.set()
-        thread.join(5)
-        server.close()
+    upstream = RawUpstream()
+    with threaded_server(lambda conn, _: upstream.serve(conn), name="raw-upstream") as url:
+        upstream.url = url
+        try:
+            yield upstream
+        finally:
+            upstream.release.set()
 
 
 @pytest.fixture(scope="module")

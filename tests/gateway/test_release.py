@@ -39,15 +39,17 @@ import anyio
 import httpx
 import pytest
 from blake3 import blake3
-from starlette.types import Message
+from starlette.applications import Starlette
+from starlette.types import Scope
 
-from asgi_lifetime import LifetimeSettings, MiB
+from asgi_lifetime import LifetimeSettings, LifetimeStats, MiB
 from asgi_lifetime._settings import RetainOutbound
 from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._prepare import Draft, Prepared
 from asgi_lifetime.gateway._refold import Conversation
 from asgi_lifetime.gateway._transport import UpstreamTransport
 
+from .._asgi import Connection, json_scope
 from ..reliability.test_faults import eventually
 from ._raw_upstream import chunked
 
@@ -177,59 +179,69 @@ class Upstream(httpx.AsyncBaseTransport):
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
 
 
+def scope_for(body: bytes) -> Scope:
+    return json_scope(
+        body, "/v1/chat/completions", (b"host", b"gateway.test"), (b"x-session-id", b"big-session"), state={}
+    )
+
+
 @dataclass
-class Client:
-    """The server side of the ASGI connection: feeds the body, records the response."""
+class Seen:
+    """What a run saw mid-stream (upstream waiting, the gateway suspended in the relay), and after it."""
 
-    body: bytes
-    chunk: int = MiB
-    offset: int = 0
-    hang_up: anyio.Event = field(default_factory=anyio.Event)
-    first_event: anyio.Event = field(default_factory=anyio.Event)
-    start: Message | None = None
-    received: bytearray = field(default_factory=bytearray)
-    ended: bool = False
-
-    async def receive(self) -> Message:
-        if self.offset < len(self.body):
-            part = self.body[self.offset : self.offset + self.chunk]
-            self.offset += len(part)
-            return {"type": "http.request", "body": part, "more_body": self.offset < len(self.body)}
-        await self.hang_up.wait()  # the body is complete; the connection stays open
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.start = message
-            return
-        self.received += message.get("body", b"")
-        if FIRST_EVENT in self.received:
-            self.first_event.set()
-        if not message.get("more_body", False):
-            self.ended = True
+    memory: int
+    """Bytes ``tracemalloc`` traced mid-stream."""
+    stats: LifetimeStats
+    alive: tuple[int, int]
+    """``probe.alive()`` mid-stream."""
+    final_memory: int = -1
+    """Bytes traced after the response."""
 
 
-def scope_for(body: bytes) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"gateway.test"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"x-session-id", b"big-session"),
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("gateway.test", 80),
-        "state": {},
-    }
+async def stream_and_probe(
+    app: Starlette, body: bytes, probe: Probe, retain: RetainOutbound, release: Callable[[], object], seconds: float
+) -> tuple[Connection, Seen]:
+    """Send ``body`` through ``app`` and look at the process while the answer streams (``retain=disk``:
+    once the body is on disk), then ``release`` the upstream's rest and let the response end."""
+    lifetime = app.state.lifetime
+    client = Connection(body, marker=FIRST_EVENT)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        with anyio.fail_after(seconds):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(app, scope_for(body), client.receive, client.send)
+                await client.marked.wait()
+                if retain == "disk":  # the body moves to disk while the answer streams: wait for it
+                    await eventually(lambda: lifetime.stats().spilled == 1, seconds=20)
+
+                # --- mid-stream: the upstream is waiting, the gateway is suspended in the relay.
+                gc.collect()
+                seen = Seen(tracemalloc.get_traced_memory()[0], lifetime.stats(), probe.alive())
+                assert not client.ended.is_set()
+                release()
+            client.hang_up.set()
+
+        # --- after the response.
+        gc.collect()
+        seen.final_memory = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+        await app.state.upstream.aclose()
+    return client, seen
+
+
+def assert_released(app: Starlette, body: bytes, retain: RetainOutbound, client: Connection, seen: Seen) -> None:
+    """The raw body: mid-stream only the retained outbound body is still reachable (with
+    RETAIN_OUTBOUND=disk it is in a temporary file, not in the process); after the response, idle."""
+    ratio = seen.memory / len(body)
+    if retain == "memory":
+        assert 0.8 < ratio < 1.6, f"traced {seen.memory} bytes mid-stream ({ratio:.2f}x the body)"
+    else:
+        assert ratio < 0.3, f"traced {seen.memory} bytes mid-stream ({ratio:.2f}x the body)"
+    assert client.ended.is_set() and bytes(client.received) == FIRST_EVENT + LAST_EVENTS
+    assert app.state.lifetime.stats().idle, app.state.lifetime.stats()
+    assert seen.final_memory / len(body) < 0.3, f"traced {seen.final_memory} bytes after the response"
 
 
 @pytest.fixture(scope="module")
@@ -259,34 +271,12 @@ async def test_input_is_released_before_the_answer_streams(body: bytes, retain: 
         keepalive_interval=30.0,
     )
     app = create_app(settings, preparers=[probe.track(change)], transport=upstream)
-    lifetime = app.state.lifetime
-    client = Client(body)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(body), client.receive, client.send)
-                await client.first_event.wait()
-                if retain == "disk":  # the body moves to disk while the answer streams: wait for it
-                    await eventually(lambda: lifetime.stats().spilled == 1, seconds=20)
 
-                # --- mid-stream: the upstream is waiting, the gateway is suspended in the relay.
-                gc.collect()
-                streaming_memory = tracemalloc.get_traced_memory()[0]
-                graph_alive, closures_alive = probe.alive()
-                stats = lifetime.stats()
-                assert not client.ended and upstream.streams[0].step == 2
+    def release() -> None:
+        assert upstream.streams[0].step == 2  # the upstream is waiting for the test
+        upstream.gate.set()
 
-                upstream.gate.set()
-            client.hang_up.set()
-
-        # --- after the response.
-        gc.collect()
-        final_memory = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
-        await app.state.upstream.aclose()
+    client, seen = await stream_and_probe(app, body, probe, retain, release, seconds=30)
 
     outbound = upstream.received
     assert upstream.requests == 1
@@ -299,24 +289,16 @@ async def test_input_is_released_before_the_answer_streams(body: bytes, retain: 
     # refold / role-remap closures are gone now (and they did exist).
     assert len(probe.graph) > 2 * TURNS and len(probe.closures) == 2
     assert probe.graph_at_attempt == 0
-    assert (graph_alive, closures_alive) == (0, 0)
-    # (b) the raw body: only the retained outbound body is still reachable, and accounted for.
-    # With RETAIN_OUTBOUND=disk the retained body is in a temporary file, not in the process.
-    ratio = streaming_memory / len(body)
-    if retain == "memory":
-        assert 0.8 < ratio < 1.6, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
-        assert stats.retained_input_bytes == outbound
-    else:
-        assert ratio < 0.3, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
-        assert stats.retained_input_bytes == 0
+    assert seen.alive == (0, 0)
+    # (b) the raw body: only the retained outbound body is still reachable, and accounted for;
+    # (c) after the response: idle, and nothing of the request left.
+    assert_released(app, body, retain, client, seen)
+    stats = seen.stats
+    assert stats.retained_input_bytes == (outbound if retain == "memory" else 0)
     assert stats.retained_disk_bytes == (outbound if retain == "disk" else 0)
     assert stats.inflight_requests == 1 and stats.pinned_sessions == 1
-    # (c) after the response: idle, and nothing of the request left.
-    assert client.start is not None and client.start["status"] == 200
-    assert client.ended and bytes(client.received) == FIRST_EVENT + LAST_EVENTS
+    assert client.status == 200
     assert upstream.streams[0].closed
-    assert lifetime.stats().idle, lifetime.stats()
-    assert final_memory / len(body) < 0.3, f"traced {final_memory} bytes after the response"
     assert probe.alive() == (0, 0)
 
 
@@ -397,40 +379,14 @@ async def test_input_is_released_over_each_network_transport(
     limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
     network = UpstreamTransport(choice=transport, limits=limits)
     app = create_app(settings, preparers=[probe.track(False)], transport=Probing(probe, network))
-    lifetime = app.state.lifetime
-    client = Client(body)
-    gc.collect()
-    tracemalloc.start()
     try:
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(body), client.receive, client.send)
-                await client.first_event.wait()
-                if retain == "disk":
-                    await eventually(lambda: lifetime.stats().spilled == 1, seconds=20)
-                gc.collect()
-                streaming_memory = tracemalloc.get_traced_memory()[0]
-                stats = lifetime.stats()
-                assert not client.ended
-                upstream.gate.set()
-            client.hang_up.set()
-        gc.collect()
-        final_memory = tracemalloc.get_traced_memory()[0]
+        client, seen = await stream_and_probe(app, body, probe, retain, upstream.gate.set, seconds=60)
     finally:
-        tracemalloc.stop()
-        await app.state.upstream.aclose()
         upstream.close()
     expected = "httpcore" if transport == "httpcore" or anyio_backend == "trio" else "aiohttp"
     assert network.name == expected
     assert upstream.requests == 1 and upstream.received == len(body)
     assert upstream.hasher.hexdigest() == blake3(body).hexdigest()
     assert len(probe.closures) == 2 and probe.alive() == (0, 0)
-    ratio = streaming_memory / len(body)
-    if retain == "memory":
-        assert 0.8 < ratio < 1.6, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
-    else:
-        assert ratio < 0.3, f"traced {streaming_memory} bytes mid-stream ({ratio:.2f}x the body)"
-    assert stats.retained_input_bytes == (len(body) if retain == "memory" else 0)
-    assert client.ended and bytes(client.received) == FIRST_EVENT + LAST_EVENTS
-    assert lifetime.stats().idle, lifetime.stats()
-    assert final_memory / len(body) < 0.3, f"traced {final_memory} bytes after the response"
+    assert_released(app, body, retain, client, seen)
+    assert seen.stats.retained_input_bytes == (len(body) if retain == "memory" else 0)

@@ -9,10 +9,8 @@ what the upstream sent, that the upstream was asked exactly once, and that the g
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from asgi_lifetime.gateway import create_app
 from asgi_lifetime.testing import held, wait_idle
 from asgi_lifetime.testing._serve import serve_in_thread
 
+from .._servers import hypercorn_in_thread
 from . import sdk_upstream as up
 from .sdk_upstream import Fault, ScriptedUpstream
 
@@ -642,76 +641,15 @@ def test_sdk_headers_reach_the_upstream(served: Served) -> None:
 # --- other servers --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def hypercorn_in_thread(app: Starlette, *, backend: str) -> Iterator[str]:
-    """Serve ``app`` with hypercorn (on asyncio or trio) in a daemon thread; yield its base URL."""
-    from hypercorn.config import Config
-
-    config = Config()
-    port = _free_port()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.loglevel = "WARNING"
-    config.graceful_timeout = 1.0
-    stop = threading.Event()
-    failure: list[BaseException] = []
-
-    async def shutdown_trigger() -> None:
-        while not stop.is_set():  # noqa: ASYNC110  (set from the test's thread)
-            await anyio.sleep(0.01)
-
-    async def serve() -> None:
-        if backend == "trio":
-            from hypercorn.trio import serve as trio_serve
-
-            await trio_serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
-        else:
-            from hypercorn.asyncio import serve as asyncio_serve
-
-            await asyncio_serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
-
-    def run() -> None:
-        try:
-            anyio.run(serve, backend=backend)
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name=f"hypercorn-{port}", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            assert not failure, failure
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "hypercorn did not start"
-                time.sleep(0.02)
-        yield url
-    finally:
-        stop.set()
-        thread.join(10)
-        # Async generators the gateway abandoned are finalized (and warned about, on trio) now,
-        # in the test that left them, not whenever the collector next runs.
-        gc.collect()
-    assert not thread.is_alive(), "hypercorn did not stop"
-    assert not failure, failure
-
-
 @contextlib.contextmanager
 def serving_hypercorn(backend: str, **settings: Any) -> Iterator[Served]:
     upstream = ScriptedUpstream()
     with serve_in_thread(upstream.app) as upstream_url:
         gateway = create_app(LifetimeSettings(upstream_url=(upstream_url,), **{**SETTINGS, **settings}))
-        with hypercorn_in_thread(gateway, backend=backend) as url, _closing(Served(upstream, gateway, url)) as served:
+        with (
+            hypercorn_in_thread(gateway, backend) as port,
+            _closing(Served(upstream, gateway, f"http://127.0.0.1:{port}")) as served,
+        ):
             yield served
 
 

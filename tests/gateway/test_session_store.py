@@ -959,6 +959,19 @@ async def test_a_redis_that_stops_answering_at_admission_costs_the_request_one_b
             await until(lambda: subject.up)
 
 
+def watch_claims(monkeypatch: pytest.MonkeyPatch) -> anyio.Event:
+    """An event set as soon as a ``RedisSessionBook.claim`` starts (the claim itself still runs)."""
+    asking = anyio.Event()
+    claim = RedisSessionBook.claim
+
+    async def watched(self: RedisSessionBook, session_id: str, fingerprint: Fingerprint, started: float) -> Any:
+        asking.set()
+        return await claim(self, session_id, fingerprint, started)
+
+    monkeypatch.setattr(RedisSessionBook, "claim", watched)
+    return asking
+
+
 @ASYNCIO
 async def test_a_request_cancelled_during_its_claim_releases_everything_and_runs_its_change_once(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
@@ -968,14 +981,7 @@ async def test_a_request_cancelled_during_its_claim_releases_everything_and_runs
     lease are released, and the same body elsewhere is not a change again."""
     changes = Changes()
     proxy = FreezingProxy(server.port)
-    asking = anyio.Event()
-    claim = RedisSessionBook.claim
-
-    async def watched(self: RedisSessionBook, session_id: str, fingerprint: Fingerprint, started: float) -> Any:
-        asking.set()
-        return await claim(self, session_id, fingerprint, started)
-
-    monkeypatch.setattr(RedisSessionBook, "claim", watched)
+    asking = watch_claims(monkeypatch)
     with respx.mock(assert_all_called=False) as router:
         router.post(f"{UPSTREAM}{PATH}").respond(200, json=OK)  # called or not: respx never yields
         async with (

@@ -45,6 +45,7 @@ from .test_session_store import (
     started,
     turn,
     until,
+    watch_claims,
 )
 
 pytestmark = pytest.mark.anyio
@@ -533,14 +534,7 @@ async def test_a_claim_that_outlives_the_book_s_task_leaves_it_ready_to_start_ag
     """The lifespan ends while a request's claim waits on Redis: the claim ends within its bound, and
     the book is stopped, not "down" (which a new ``run`` refused as already running)."""
     proxy = LossyProxy(server.port)
-    asking = anyio.Event()
-    claim = RedisSessionBook.claim
-
-    async def watched(self: RedisSessionBook, session_id: str, fingerprint: Any, admitted: float) -> Any:
-        asking.set()
-        return await claim(self, session_id, fingerprint, admitted)
-
-    monkeypatch.setattr(RedisSessionBook, "claim", watched)
+    asking = watch_claims(monkeypatch)
     async with proxy.serving() as url:
         subject = book(url, timeout=0.5, lease=1.5)
         answers: list[Any] = []

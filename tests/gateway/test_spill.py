@@ -29,8 +29,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,8 @@ import anyio
 import anyio.to_thread
 import httpx
 import pytest
-from starlette.types import Message
+from anyio.abc import TaskGroup
+from starlette.types import Scope
 
 from asgi_lifetime import LifetimeSettings, MiB
 from asgi_lifetime._resources import RequestResources
@@ -48,6 +48,7 @@ from asgi_lifetime.gateway._prepare import Draft, Prepared
 from asgi_lifetime.gateway._spill import SLICE, SpillClosed, SpilledBody, SpillFile, spill
 from asgi_lifetime.testing._serve import serve_in_thread
 
+from .._asgi import Connection, json_scope
 from ..reliability.test_faults import Stack, assert_idle, eventually
 from ._raw_upstream import RawRequest, RawUpstream, chunked, raw_upstream
 from .test_relay_events import STREAMS, render
@@ -401,50 +402,8 @@ class Recording(httpx.AsyncBaseTransport):
         return httpx.Response(200, headers=SSE, stream=self.answers[len(self.bodies) - 1])
 
 
-@dataclass
-class Client:
-    """The server side of the ASGI connection: feeds the body, records the response."""
-
-    body: bytes
-    offset: int = 0
-    hang_up: anyio.Event = field(default_factory=anyio.Event)
-    ended: anyio.Event = field(default_factory=anyio.Event)
-    received: bytearray = field(default_factory=bytearray)
-    status: int = 0
-
-    async def receive(self) -> Message:
-        if self.offset < len(self.body):
-            part = self.body[self.offset : self.offset + MiB]
-            self.offset += len(part)
-            return {"type": "http.request", "body": part, "more_body": self.offset < len(self.body)}
-        await self.hang_up.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            return
-        self.received += message.get("body", b"")
-        if not message.get("more_body", False):
-            self.ended.set()
-
-
-def scope_for(body: bytes) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": PATH,
-        "raw_path": PATH.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 50000),
-        "server": ("gateway.test", 80),
-        "state": {},
-    }
+def scope_for(body: bytes) -> Scope:
+    return json_scope(body, PATH, state={})
 
 
 def rename_model(draft: Draft) -> None:
@@ -474,6 +433,15 @@ async def in_process(
         await app.state.upstream.aclose()
 
 
+@contextlib.asynccontextmanager
+async def requesting(app: Any, client: Connection) -> AsyncIterator[TaskGroup]:
+    """``client``'s request in flight to ``app``, run in the task group yielded; all of it within WAIT."""
+    with anyio.fail_after(WAIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app, scope_for(client.body), client.receive, client.send)
+            yield tg
+
+
 @pytest.mark.parametrize("changed", [False, True], ids=["unchanged-body", "changed-body"])
 async def test_a_starved_stream_is_reissued_from_disk_with_the_identical_bytes(
     changed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, opened: list[SpillFile]
@@ -488,21 +456,19 @@ async def test_a_starved_stream_is_reissued_from_disk_with_the_identical_bytes(
     monkeypatch.setattr(SpilledBody, "read", counting_read)
     gate = anyio.Event()
     upstream = Recording([Answer(gate, b""), Answer(None, ANSWER)])  # the first stream ends with no event
-    client = Client(BODY)
+    client = Connection(BODY)
     async with in_process(upstream, tmp_path, changed=changed) as app:
         lifetime = app.state.lifetime
-        with anyio.fail_after(WAIT):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(BODY), client.receive, client.send)
-                await until(lambda: lifetime.stats().spilled == 1)
-                # Streaming (the first answer is held open): the body is on disk, under no name.
-                stats = lifetime.stats()
-                outbound = len(upstream.bodies[0])
-                assert (stats.retained_input_bytes, stats.retained_disk_bytes) == (0, outbound)
-                assert os.listdir(tmp_path) == []
-                gate.set()  # the first stream ends without an event: starved, re-issued
-                await client.ended.wait()
-                client.hang_up.set()
+        async with requesting(app, client):
+            await until(lambda: lifetime.stats().spilled == 1)
+            # Streaming (the first answer is held open): the body is on disk, under no name.
+            stats = lifetime.stats()
+            outbound = len(upstream.bodies[0])
+            assert (stats.retained_input_bytes, stats.retained_disk_bytes) == (0, outbound)
+            assert os.listdir(tmp_path) == []
+            gate.set()  # the first stream ends without an event: starved, re-issued
+            await client.ended.wait()
+            client.hang_up.set()
     assert len(upstream.bodies) == 2 and upstream.bodies[1] == upstream.bodies[0]
     assert (upstream.bodies[0] == BODY) is not changed
     assert reads == list(range(0, outbound, SLICE))  # streamed back from the file, one slice at a time
@@ -520,22 +486,20 @@ async def test_the_file_is_closed_on_every_settlement_path(
     tail: bytes | Exception = httpx.ReadError("reset by peer") if ending == "upstream_error" else ANSWER
     answer = Answer(gate, tail)
     upstream = Recording([answer, Answer(None, ANSWER)])
-    client = Client(BODY)
+    client = Connection(BODY)
     async with in_process(upstream, tmp_path) as app:
         lifetime = app.state.lifetime
-        with anyio.fail_after(WAIT):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(BODY), client.receive, client.send)
-                await until(lambda: lifetime.stats().spilled == 1)
-                assert len(opened) == 1 and not opened[0].closed and os.listdir(tmp_path) == []
-                if ending == "client_disconnect":
-                    client.hang_up.set()
-                elif ending == "cancelled":
-                    tg.cancel_scope.cancel()
-                else:
-                    gate.set()
-                    await client.ended.wait()
-                    client.hang_up.set()
+        async with requesting(app, client) as tg:
+            await until(lambda: lifetime.stats().spilled == 1)
+            assert len(opened) == 1 and not opened[0].closed and os.listdir(tmp_path) == []
+            if ending == "client_disconnect":
+                client.hang_up.set()
+            elif ending == "cancelled":
+                tg.cancel_scope.cancel()
+            else:
+                gate.set()
+                await client.ended.wait()
+                client.hang_up.set()
         await until(lambda: lifetime.stats().idle)
     assert opened[0].closed and opened[0]._file.closed
     assert answer.closed
@@ -560,19 +524,17 @@ async def test_nothing_goes_to_disk_below_the_threshold_or_without_disk(
     gate = anyio.Event()
     first = Answer(gate, b"")
     upstream = Recording([first, Answer(None, ANSWER)])
-    client = Client(BODY)
+    client = Connection(BODY)
     async with in_process(upstream, tmp_path, **changes) as app:
         lifetime = app.state.lifetime
-        with anyio.fail_after(WAIT):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(BODY), client.receive, client.send)
-                await until(lambda: first.pulled)
-                stats = lifetime.stats()  # streaming: the relay waits for the first answer
-                assert stats.retained_input_bytes == (len(BODY) if retained_in_memory else 0)
-                assert (stats.retained_disk_bytes, stats.spilled) == (0, 0)
-                gate.set()
-                await client.ended.wait()
-                client.hang_up.set()
+        async with requesting(app, client):
+            await until(lambda: first.pulled)
+            stats = lifetime.stats()  # streaming: the relay waits for the first answer
+            assert stats.retained_input_bytes == (len(BODY) if retained_in_memory else 0)
+            assert (stats.retained_disk_bytes, stats.spilled) == (0, 0)
+            gate.set()
+            await client.ended.wait()
+            client.hang_up.set()
     assert opened == []
     # Kept (in memory): re-issued with the same bytes. Off: the starved stream ends with an error event.
     assert upstream.bodies == ([BODY, BODY] if retained_in_memory else [BODY])
@@ -587,19 +549,17 @@ async def test_a_full_disk_reissues_from_memory(
     caplog.set_level(logging.WARNING, logger=_spill.__name__)
     gate = anyio.Event()
     upstream = Recording([Answer(gate, b""), Answer(None, ANSWER)])
-    client = Client(BODY)
+    client = Connection(BODY)
     async with in_process(upstream, tmp_path) as app:
         lifetime = app.state.lifetime
-        with anyio.fail_after(WAIT):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app, scope_for(BODY), client.receive, client.send)
-                await until(lambda: lifetime.stats().spill_failures == 1)
-                stats = lifetime.stats()
-                assert (stats.retained_input_bytes, stats.retained_disk_bytes) == (len(BODY), 0)
-                assert opened[0].closed
-                gate.set()
-                await client.ended.wait()
-                client.hang_up.set()
+        async with requesting(app, client):
+            await until(lambda: lifetime.stats().spill_failures == 1)
+            stats = lifetime.stats()
+            assert (stats.retained_input_bytes, stats.retained_disk_bytes) == (len(BODY), 0)
+            assert opened[0].closed
+            gate.set()
+            await client.ended.wait()
+            client.hang_up.set()
     assert upstream.bodies == [BODY, BODY] and bytes(client.received) == ANSWER
     assert lifetime.stats().idle
     assert "No space left on device" in caplog.text

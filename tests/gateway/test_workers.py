@@ -9,21 +9,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import prometheus_client
-import prometheus_client.values
 import pytest
 import respx
 
 from asgi_lifetime import LifetimeSettings
 from asgi_lifetime._stats import LifetimeStats
-from asgi_lifetime.gateway import _multiprocess, create_app
-from asgi_lifetime.gateway._metrics import MULTIPROC_DIR_ENV
+from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._workers import Report, WorkerReport, WorkerStats, merge_upstreams, read_reports
+
+from .test_metrics import multiproc_dir as multiproc_dir  # a fixture: PROMETHEUS_MULTIPROC_DIR set, cleaned after
 
 DEAD_PID = 4194305  # above Linux's pid_max (2**22): no process can have it
 BASE = "http://upstream.test"
@@ -36,22 +34,6 @@ def fake_report(inflight: int, admitted: int, upstream_inflight: int = 0, down_f
     return {**stats, "upstreams": [view]}
 
 
-@pytest.fixture
-def shared_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A worker that started with PROMETHEUS_MULTIPROC_DIR set (prometheus_client's mmap storage)."""
-    directory = tmp_path / "shared"
-    directory.mkdir()
-    monkeypatch.setenv(MULTIPROC_DIR_ENV, str(directory))
-    monkeypatch.setattr(prometheus_client.values, "ValueClass", prometheus_client.values.MultiProcessValue())  # type: ignore[no-untyped-call]
-    yield directory
-    process = _multiprocess._process
-    if process is not None and process.thread is not None:
-        process.wake.set()
-        process.thread.join(5)
-        assert process.thread is None, "the sync thread outlived its writers"
-    prometheus_client.values.close_all_multiprocess_files()  # type: ignore[no-untyped-call]
-
-
 def test_without_a_directory_the_payload_is_this_process_and_says_so() -> None:
     workers = WorkerStats(lambda: fake_report(1, 2), directory=None)
     payload = workers.payload()
@@ -60,9 +42,9 @@ def test_without_a_directory_the_payload_is_this_process_and_says_so() -> None:
     workers.close()  # nothing to remove
 
 
-def test_reports_are_summed_and_listed_per_worker(shared_dir: Path) -> None:
-    a = WorkerStats(lambda: fake_report(1, 5, upstream_inflight=1), directory=str(shared_dir), sync_interval=60)
-    b = WorkerStats(lambda: fake_report(2, 7, upstream_inflight=2, down_for=3.0), directory=str(shared_dir))
+def test_reports_are_summed_and_listed_per_worker(multiproc_dir: Path) -> None:
+    a = WorkerStats(lambda: fake_report(1, 5, upstream_inflight=1), directory=str(multiproc_dir), sync_interval=60)
+    b = WorkerStats(lambda: fake_report(2, 7, upstream_inflight=2, down_for=3.0), directory=str(multiproc_dir))
     b.payload()  # writes b's report
     payload = a.payload()
     assert payload["scope"] == "workers" and payload["process"] == {"pid": os.getpid()}
@@ -80,18 +62,18 @@ def test_reports_are_summed_and_listed_per_worker(shared_dir: Path) -> None:
     after = a.payload()
     assert after["inflight_requests"] == 1 and len(after["workers"]) == 1
     a.close()
-    assert list(shared_dir.glob("stats-*")) == []
+    assert list(multiproc_dir.glob("stats-*")) == []
 
 
-def test_a_dead_workers_report_is_dropped_and_removed(shared_dir: Path) -> None:
-    live = WorkerStats(lambda: fake_report(1, 1), directory=str(shared_dir), sync_interval=60)
+def test_a_dead_workers_report_is_dropped_and_removed(multiproc_dir: Path) -> None:
+    live = WorkerStats(lambda: fake_report(1, 1), directory=str(multiproc_dir), sync_interval=60)
     dead = {"pid": DEAD_PID, "written_at": time.time(), "report": fake_report(5, 50)}
-    (shared_dir / f"stats-{DEAD_PID}-0.json").write_text(json.dumps(dead))
-    (shared_dir / f"stats-{DEAD_PID}-0.json.tmp").write_text("{half a wri")  # killed while writing
-    (shared_dir / f"gauge_livesum_{DEAD_PID}.db").write_bytes(b"")
+    (multiproc_dir / f"stats-{DEAD_PID}-0.json").write_text(json.dumps(dead))
+    (multiproc_dir / f"stats-{DEAD_PID}-0.json.tmp").write_text("{half a wri")  # killed while writing
+    (multiproc_dir / f"gauge_livesum_{DEAD_PID}.db").write_bytes(b"")
     payload = live.payload()
     assert payload["inflight_requests"] == 1 and [w["pid"] for w in payload["workers"]] == [os.getpid()]
-    assert sorted(p.name for p in shared_dir.iterdir() if str(DEAD_PID) in p.name) == []
+    assert sorted(p.name for p in multiproc_dir.iterdir() if str(DEAD_PID) in p.name) == []
     live.close()
 
 
@@ -105,30 +87,30 @@ def test_a_dead_workers_report_is_dropped_and_removed(shared_dir: Path) -> None:
         ("stats-notes.json", "{}"),
     ],
 )
-def test_a_file_that_is_not_a_report_is_skipped(shared_dir: Path, name: str, content: str) -> None:
-    live = WorkerStats(lambda: fake_report(1, 1), directory=str(shared_dir), sync_interval=60)
-    (shared_dir / name).write_text(content)
+def test_a_file_that_is_not_a_report_is_skipped(multiproc_dir: Path, name: str, content: str) -> None:
+    live = WorkerStats(lambda: fake_report(1, 1), directory=str(multiproc_dir), sync_interval=60)
+    (multiproc_dir / name).write_text(content)
     payload = live.payload()
     assert payload["inflight_requests"] == 1 and len(payload["workers"]) == 1
     live.close()
 
 
-def test_the_sync_thread_writes_reports_without_being_asked(shared_dir: Path) -> None:
+def test_the_sync_thread_writes_reports_without_being_asked(multiproc_dir: Path) -> None:
     counter = {"admitted": 0}
 
     def report() -> Report:
         counter["admitted"] += 1
         return fake_report(0, counter["admitted"])
 
-    workers = WorkerStats(report, directory=str(shared_dir), sync_interval=0.02)
+    workers = WorkerStats(report, directory=str(multiproc_dir), sync_interval=0.02)
     deadline = time.monotonic() + 10
     seen: list[int] = []
     while len(set(seen)) < 3 and time.monotonic() < deadline:  # three different reports written
-        seen += [r.scalars["admitted"] for r in read_reports(str(shared_dir))]
+        seen += [r.scalars["admitted"] for r in read_reports(str(multiproc_dir))]
         time.sleep(0.01)
     assert len(set(seen)) >= 3
     workers.close()
-    assert list(shared_dir.glob("stats-*")) == []
+    assert list(multiproc_dir.glob("stats-*")) == []
 
 
 def test_merge_upstreams_sums_counts_and_keeps_the_longest_cool_off() -> None:
@@ -176,8 +158,8 @@ async def test_the_gateway_counts_session_changes_in_one_process() -> None:
 
 
 @pytest.mark.anyio
-async def test_the_gateway_reports_every_worker_with_a_shared_directory(shared_dir: Path) -> None:
-    neighbour = WorkerStats(lambda: fake_report(2, 3, upstream_inflight=2), directory=str(shared_dir))
+async def test_the_gateway_reports_every_worker_with_a_multiproc_directory(multiproc_dir: Path) -> None:
+    neighbour = WorkerStats(lambda: fake_report(2, 3, upstream_inflight=2), directory=str(multiproc_dir))
     app = create_app(SETTINGS)
     try:
         stats = await post_and_read_stats(app, [CHAT])

@@ -23,7 +23,7 @@ from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
 from asgi_lifetime._body import MAX_GZIP_MEMBERS
 from asgi_lifetime.testing._serve import serve_in_thread
 
-from .test_faults import HTTP_PARSERS, Stack, assert_idle, raw_client, request_bytes, running
+from .test_faults import HTTP_PARSERS, RawResponse, Stack, assert_idle, raw_client, request_bytes, running
 
 pytestmark = pytest.mark.anyio
 
@@ -74,6 +74,23 @@ async def post(stack: Stack, body: bytes, *, headers: tuple[tuple[str, str], ...
 # --- the working set of one request follows its body, whatever the shape of its JSON -----------------------------
 
 
+async def traced_post(stack: Stack, body: bytes) -> tuple[RawResponse, int]:
+    """``post``, and tracemalloc's peak over it (gateway and upstream, both in this process) above what
+    was traced at its start; the client's copy of the request exists before tracing starts."""
+    data = request_bytes(body)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        async with raw_client(stack.url) as client:
+            await client.send(data)
+            response = await client.response(seconds=30)
+        peak = tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+    return response, peak
+
+
 def _array(key: str, item: bytes, size: int) -> bytes:
     count = size // (len(item) + 1)
     return b'{"model":"m","' + key.encode() + b'":[' + b",".join([item] * count) + b"]}"
@@ -98,17 +115,7 @@ async def test_one_request_takes_at_most_8x_its_body(
     client's copy of the body exists before tracing starts) stays within 8x the body."""
     stack, sink = sink_stack
     body = SCAN_SHAPES[shape]
-    data = request_bytes(body)
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        start = tracemalloc.get_traced_memory()[0]
-        async with raw_client(stack.url) as client:
-            await client.send(data)
-            response = await client.response(seconds=30)
-        peak = tracemalloc.get_traced_memory()[1] - start
-    finally:
-        tracemalloc.stop()
+    response, peak = await traced_post(stack, body)
     assert response.status in (200, 413), response.body
     if response.status == 200:
         assert response.json() == {"n": len(body)}
@@ -123,17 +130,7 @@ async def test_fingerprint_walk_does_not_copy_the_conversation(
     copy of the list 9 more: 9.2x the body in all, over the 8x the estimator allows for."""
     stack, _ = sink_stack
     body = _array("input", b"7", MiB)
-    data = request_bytes(body)
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        start = tracemalloc.get_traced_memory()[0]
-        async with raw_client(stack.url) as client:
-            await client.send(data)
-            response = await client.response(seconds=30)
-        peak = tracemalloc.get_traced_memory()[1] - start
-    finally:
-        tracemalloc.stop()
+    response, peak = await traced_post(stack, body)
     assert response.status == 200, response.body
     await assert_idle(stack.app, stack.url)
     assert peak <= 8 * len(body), f"peak {peak / len(body):.1f}x the body"

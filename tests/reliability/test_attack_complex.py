@@ -31,8 +31,8 @@ from asgi_lifetime._parse import too_costly
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway._prepare import Draft
 
+from .._asgi import body_receive, json_scope
 from ..gateway.test_parse_e2e import JSON, OVERFLOW, ROLE, Recorder, gateway, policy
-from ..test_middleware import body_receive, raw_scope
 from .test_faults import PATH, assert_idle, error_code, eventually
 
 pytestmark = pytest.mark.anyio
@@ -270,7 +270,7 @@ async def test_a_body_the_standard_library_refuses_gives_back_its_parse_charge()
     async def send(message: Any) -> None:
         messages.append(message)
 
-    await middleware(raw_scope(raw), body_receive(raw), send)
+    await middleware(json_scope(raw), body_receive(raw), send)
     assert messages[0]["status"] == 204
     assert seen == [len(raw)]
     assert middleware.lifetime.stats().inflight_bytes == 0

@@ -21,7 +21,6 @@ import os
 import random
 import socket
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -45,6 +44,8 @@ from asgi_lifetime.gateway._sse import SSEParser
 from asgi_lifetime.testing import wait_idle
 from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime.testing._upstream import DemoStats, create_demo_upstream
+
+from .._servers import threaded_server
 
 pytestmark = pytest.mark.anyio
 
@@ -412,31 +413,15 @@ def resetting_server() -> Iterator[tuple[str, list[int]]]:
 
     Yields its URL and a one-item list counting the connections it reset.
     """
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.02)
     resets = [0]
-    stop = threading.Event()
 
-    def run() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
-            conn.close()
-            resets[0] += 1
+    def reset(conn: socket.socket, _: int) -> None:
+        resets[0] += 1  # before the reset: once the gateway sees it, it is counted
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+        conn.close()
 
-    thread = threading.Thread(target=run, name="resetting-server", daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}", resets
-    finally:
-        stop.set()
-        thread.join(5)
-        server.close()
+    with threaded_server(reset, name="resetting-server") as url:
+        yield url, resets
 
 
 class MaxJitter(random.Random):
