@@ -20,6 +20,7 @@ import anyio
 from starlette.types import Message, Receive
 
 from ._exceptions import BodyAborted, BodyIdleTimeout, BodyTimeout, BodyTooLarge, MalformedBody, UnsupportedEncoding
+from ._settings import check_argument, non_negative
 
 __all__ = ["parse_content_length", "read_body"]
 
@@ -333,8 +334,7 @@ async def read_body(
     Raises ``BodyAborted`` on ``http.disconnect`` and ``MalformedBody`` for bad framing or
     encoding, including data after the end of a compressed stream.
     """
-    if max_bytes < 0:
-        raise ValueError(f"max_bytes must be >= 0, got {max_bytes!r}")
+    check_argument("max_bytes", max_bytes, non_negative, integer=True)
     if expected_length is not None and expected_length > max_bytes:
         raise BodyTooLarge(max_bytes)
     reader = _Reader(

@@ -33,6 +33,10 @@ __all__ = [
     "RetainOutbound",
     "SettingSpec",
     "SETTINGS",
+    "at_least_one",
+    "check_argument",
+    "non_negative",
+    "positive",
     "redact_url",
 ]
 
@@ -114,15 +118,23 @@ class SettingSpec:
         return ENV_PREFIX + self.name.upper()
 
 
-def _positive(value: Any) -> str | None:
+def check_argument(name: str, value: Any, rule: Callable[[Any], str | None], *, integer: bool = False) -> None:
+    """What ``LifetimeSettings`` does for a setting, for a constructor's number argument: a ``ValueError``
+    naming it and its value unless it is a finite number (an ``int`` with ``integer``) that ``rule`` accepts."""
+    problem = _kind_problem(value, (int,) if integer else (int, float)) or rule(value)
+    if problem:
+        raise ValueError(f"{name}={value!r} is invalid: {problem}")
+
+
+def positive(value: Any) -> str | None:
     return None if value > 0 else "must be greater than 0"
 
 
-def _non_negative(value: Any) -> str | None:
+def non_negative(value: Any) -> str | None:
     return None if value >= 0 else "must be 0 or greater"
 
 
-def _at_least_one(value: Any) -> str | None:
+def at_least_one(value: Any) -> str | None:
     return None if value >= 1 else "must be at least 1"
 
 
@@ -216,42 +228,42 @@ SETTINGS: dict[str, SettingSpec] = {
     spec.name: spec
     for spec in [
         # Reading and admission.
-        SettingSpec("max_body_bytes", _parse_size, _positive, "Largest request body accepted (after decoding)."),
-        SettingSpec("body_idle_timeout", _parse_float, _positive, "Seconds without a body chunk before 408."),
-        SettingSpec("body_timeout", _parse_float, _positive, "Seconds the whole request body may take before 408."),
-        SettingSpec("max_inflight", _parse_int, _at_least_one, "Requests admitted at once."),
+        SettingSpec("max_body_bytes", _parse_size, positive, "Largest request body accepted (after decoding)."),
+        SettingSpec("body_idle_timeout", _parse_float, positive, "Seconds without a body chunk before 408."),
+        SettingSpec("body_timeout", _parse_float, positive, "Seconds the whole request body may take before 408."),
+        SettingSpec("max_inflight", _parse_int, at_least_one, "Requests admitted at once."),
         SettingSpec(
             "max_inflight_bytes",
             _parse_size,
-            _positive,
+            positive,
             "Sum of admitted request bodies, charged as bytes arrive and decode.",
         ),
-        SettingSpec("admission_timeout", _parse_float, _non_negative, "Seconds a request may wait for admission."),
+        SettingSpec("admission_timeout", _parse_float, non_negative, "Seconds a request may wait for admission."),
         SettingSpec(
             "admission_target_delay",
             _parse_float,
-            _non_negative,
+            non_negative,
             "Queueing delay tolerated: once the longest wait for a slot has stayed above it for "
             "ADMISSION_INTERVAL, a new request that cannot be admitted at once gets 503 at once; 0: plain FIFO queue.",
         ),
         SettingSpec(
             "admission_interval",
             _parse_float,
-            _positive,
+            positive,
             "Seconds the queue delay must stay above ADMISSION_TARGET_DELAY before new requests are shed.",
         ),
         SettingSpec("paths", _parse_list, _path_prefixes, "Comma-separated path prefixes the middleware handles."),
         # Forwarding.
         SettingSpec("upstream_url", _parse_list, _urls, "Comma-separated upstream base URLs."),
-        SettingSpec("max_attempts", _parse_int, _at_least_one, "Upstream attempts per request, all kinds."),
-        SettingSpec("retry_deadline", _parse_float, _positive, "Seconds all attempts of one request may take."),
-        SettingSpec("backoff_base", _parse_float, _non_negative, "First retry's backoff ceiling in seconds."),
-        SettingSpec("backoff_max", _parse_float, _non_negative, "Largest backoff in seconds."),
-        SettingSpec("retry_after_cap", _parse_float, _non_negative, "Largest upstream Retry-After honoured."),
-        SettingSpec("connect_timeout", _parse_float, _positive, "Seconds to connect to the upstream."),
-        SettingSpec("headers_timeout", _parse_float, _positive, "Seconds to wait for upstream response headers."),
-        SettingSpec("stall_timeout", _parse_float, _positive, "Seconds of upstream silence that end a stream."),
-        SettingSpec("keepalive_interval", _parse_float, _positive, "Seconds between SSE keep-alives in silence."),
+        SettingSpec("max_attempts", _parse_int, at_least_one, "Upstream attempts per request, all kinds."),
+        SettingSpec("retry_deadline", _parse_float, positive, "Seconds all attempts of one request may take."),
+        SettingSpec("backoff_base", _parse_float, non_negative, "First retry's backoff ceiling in seconds."),
+        SettingSpec("backoff_max", _parse_float, non_negative, "Largest backoff in seconds."),
+        SettingSpec("retry_after_cap", _parse_float, non_negative, "Largest upstream Retry-After honoured."),
+        SettingSpec("connect_timeout", _parse_float, positive, "Seconds to connect to the upstream."),
+        SettingSpec("headers_timeout", _parse_float, positive, "Seconds to wait for upstream response headers."),
+        SettingSpec("stall_timeout", _parse_float, positive, "Seconds of upstream silence that end a stream."),
+        SettingSpec("keepalive_interval", _parse_float, positive, "Seconds between SSE keep-alives in silence."),
         SettingSpec(
             "retain_outbound",
             _parse_retain,
@@ -262,7 +274,7 @@ SETTINGS: dict[str, SettingSpec] = {
         SettingSpec(
             "retain_spill_bytes",
             _parse_size,
-            _non_negative,
+            non_negative,
             "With RETAIN_OUTBOUND=disk, a retained body larger than this goes to disk; smaller ones stay in memory.",
         ),
         SettingSpec(
@@ -283,10 +295,10 @@ SETTINGS: dict[str, SettingSpec] = {
         SettingSpec(
             "max_session_id_bytes",
             _parse_size,
-            _positive,
+            positive,
             "Longest session id accepted (longer: 400); sessions are kept by a 16-byte digest.",
         ),
-        SettingSpec("bookkeeping_sessions", _parse_int, _at_least_one, "Sessions kept by the default bookkeeper."),
+        SettingSpec("bookkeeping_sessions", _parse_int, at_least_one, "Sessions kept by the default bookkeeper."),
         SettingSpec(
             "session_store",
             _parse_str,
@@ -295,21 +307,21 @@ SETTINGS: dict[str, SettingSpec] = {
             "replica (needs the redis extra).",
         ),
         SettingSpec(
-            "session_ttl", _parse_float, _positive, "Seconds a session stays in a shared store after its last request."
+            "session_ttl", _parse_float, positive, "Seconds a session stays in a shared store after its last request."
         ),
         SettingSpec(
             "session_lease",
             _parse_float,
-            _positive,
+            positive,
             "Seconds a replica's session pin outlives it in a shared store if it dies (renewed every third of it).",
         ),
         SettingSpec(
             "session_store_timeout",
             _parse_float,
-            _positive,
+            positive,
             "Seconds one call to a shared store may take before bookkeeping falls back to this process's book.",
         ),
-        SettingSpec("error_body_limit", _parse_size, _positive, "Bytes of an upstream error body buffered."),
+        SettingSpec("error_body_limit", _parse_size, positive, "Bytes of an upstream error body buffered."),
         # Operating the gateway.
         SettingSpec(
             "upstream_api_key",
@@ -333,15 +345,15 @@ SETTINGS: dict[str, SettingSpec] = {
             "What sends upstream requests: auto (aiohttp on asyncio when installed, else httpcore), aiohttp "
             "(asyncio only; startup fails on trio) or httpcore (httpx's own transport).",
         ),
-        SettingSpec("upstream_cooloff", _parse_float, _non_negative, "Seconds an upstream that failed is skipped."),
+        SettingSpec("upstream_cooloff", _parse_float, non_negative, "Seconds an upstream that failed is skipped."),
         SettingSpec(
             "drain_delay",
             _parse_float,
-            _non_negative,
+            non_negative,
             "Seconds the server keeps accepting after SIGTERM (healthz 503, new requests 503) before it stops "
             "listening; 0 stops listening at once.",
         ),
-        SettingSpec("shutdown_grace", _parse_float, _non_negative, "Seconds in-flight streams get on shutdown."),
+        SettingSpec("shutdown_grace", _parse_float, non_negative, "Seconds in-flight streams get on shutdown."),
     ]
 }
 
@@ -555,7 +567,10 @@ def _coerce(spec: SettingSpec, value: Any) -> Any:
 
 
 def _type_problem(name: str, value: Any) -> str | None:
-    expected = _FIELD_TYPES[name]
+    return _kind_problem(value, _FIELD_TYPES[name])
+
+
+def _kind_problem(value: Any, expected: tuple[type, ...]) -> str | None:
     if isinstance(value, bool) and bool not in expected:
         return "has the wrong type (bool)"
     if not isinstance(value, expected):

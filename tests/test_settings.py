@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from asgi_lifetime._settings import SETTINGS, GiB, KiB, LifetimeSettings, MiB, collect_environ
+from asgi_lifetime._settings import SETTINGS, GiB, KiB, LifetimeSettings, MiB, check_argument, collect_environ, positive
 
 SECRET = "sk-very-secret-1234"
 
@@ -609,3 +609,23 @@ def test_public_items_unset_secrets() -> None:
     assert items["ASGI_LIFETIME_GATEWAY_KEYS"] == "(unset)"
     assert items["ASGI_LIFETIME_UPSTREAM_API_KEY"] == "(unset)"
     assert items["ASGI_LIFETIME_UPSTREAM_URL"] == ""
+
+
+@pytest.mark.parametrize(
+    ("value", "integer", "problem"),
+    [
+        (0, False, "must be greater than 0"),
+        (-1.5, False, "must be greater than 0"),
+        (float("inf"), False, "must be a finite number"),
+        (float("nan"), False, "must be a finite number"),
+        (True, False, r"has the wrong type \(bool\)"),
+        ("5", False, r"has the wrong type \(str\)"),
+        (1.5, True, r"has the wrong type \(float\)"),
+    ],
+)
+def test_a_constructor_argument_is_checked_as_a_setting_is(value: Any, integer: bool, problem: str) -> None:
+    # One message for every constructor's number argument (relay timeouts, pool cooloff, store
+    # lease...): the argument's name, its value, and what is wrong with it.
+    with pytest.raises(ValueError, match=f"^interval={value!r} is invalid: {problem}$"):
+        check_argument("interval", value, positive, integer=integer)
+    check_argument("interval", 2 if integer else 0.5, positive, integer=integer)  # a good one passes

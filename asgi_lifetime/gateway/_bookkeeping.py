@@ -37,6 +37,7 @@ from blake3 import blake3
 
 from .._fingerprint import Fingerprint
 from .._middleware import Lifetime
+from .._settings import at_least_one, check_argument
 from .._stats import Counters
 
 __all__ = [
@@ -265,8 +266,7 @@ class SessionBook:
         lifetime: Lifetime | None = None,
         on_change: Callable[[str, Fingerprint], None] | None = None,
     ) -> None:
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
-            raise ValueError(f"max_sessions must be a positive integer, got {max_sessions!r}")
+        check_argument("max_sessions", max_sessions, at_least_one, integer=True)
         self._max_sessions = max_sessions
         # The pins count toward the middleware's stats (``pinned_sessions``) when it is given.
         self._counters = lifetime.counters if lifetime is not None else Counters()

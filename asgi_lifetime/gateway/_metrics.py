@@ -73,6 +73,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .._settings import check_argument, positive
 from .._stats import SHED_REASONS, LifetimeStats
 from ._access_log import public_url
 from ._bookkeeping import OUTCOMES, Outcome, StoreState
@@ -353,8 +354,7 @@ class GatewayMetrics:
         sync_interval: float = 1.0,
         session_store: Callable[[], StoreState] | None = None,
     ) -> None:
-        if not (isinstance(sync_interval, (int, float)) and 0 < sync_interval < float("inf")):
-            raise ValueError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
+        check_argument("sync_interval", sync_interval, positive)
         self._stats = stats
         self._describe = describe_upstreams
         # The ``requests`` child per (status, upstream, outcome) as the outcome gives them: prometheus's

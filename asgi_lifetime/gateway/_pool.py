@@ -25,10 +25,11 @@ every candidate is down, the best one is tried anyway: attempting beats failing 
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+
+from .._settings import check_argument, non_negative
 
 __all__ = ["UpstreamPool", "UpstreamState"]
 
@@ -90,8 +91,7 @@ class UpstreamPool:
             if url in seen:
                 raise ValueError(f"urls contains {url!r} more than once")
             seen.add(url)
-        if not (cooloff >= 0 and math.isfinite(cooloff)):
-            raise ValueError(f"cooloff must be a finite number >= 0, got {cooloff!r}")
+        check_argument("cooloff", cooloff, non_negative)
         self.urls: tuple[str, ...] = tuple(urls)
         self.cooloff = cooloff
         self._clock = clock

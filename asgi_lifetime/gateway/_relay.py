@@ -60,6 +60,7 @@ from .._exceptions import (
     UpstreamStarved,
     UpstreamTimeout,
 )
+from .._settings import check_argument, positive
 from .._stats import Counters
 from ._bookkeeping import Ending
 from ._shutdown import StopSignal
@@ -688,10 +689,8 @@ async def relay(
     The gateway's own errors take ``error_shape`` (see ``error_shape()``). ``watch``: the request's
     ``ClientWatch``, already running (it then watches this relay); without it, the relay runs one of its own.
     """
-    if stall_timeout <= 0:
-        raise ValueError(f"stall_timeout={stall_timeout} is invalid: must be greater than 0")
-    if keepalive_interval <= 0:
-        raise ValueError(f"keepalive_interval={keepalive_interval} is invalid: must be greater than 0")
+    check_argument("stall_timeout", stall_timeout, positive)
+    check_argument("keepalive_interval", keepalive_interval, positive)
     state = _Relay(
         send=send,
         stall_timeout=stall_timeout,

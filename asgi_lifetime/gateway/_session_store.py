@@ -96,7 +96,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._fingerprint import Fingerprint
 from .._middleware import Lifetime
-from .._settings import LifetimeSettings, redact_url
+from .._settings import LifetimeSettings, check_argument, positive, redact_url
 from ._bookkeeping import Claim, Outcome, SessionBook, SessionEntry, StoreState, session_key
 
 if TYPE_CHECKING:
@@ -432,8 +432,7 @@ class RedisSessionBook(SessionBook):
             shown = redact_url(url) if isinstance(url, str) else repr(url)
             raise ValueError(f"url must be a redis:// or rediss:// URL with a host, got {shown!r}")
         for name, value in (("ttl", ttl), ("lease", lease), ("timeout", timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            check_argument(name, value, positive)
         if timeout * 2 > lease:
             raise ValueError(f"timeout ({timeout:g}) must be at most half of lease ({lease:g})")
         if not _installed("redis"):

@@ -42,6 +42,7 @@ from typing import Any
 
 from .._json import JSONDecodeFailure, dumps, loads
 from .._parse import too_costly
+from .._settings import at_least_one, check_argument
 
 __all__ = [
     "FORMATS",
@@ -139,8 +140,7 @@ class SSEParser:
     )
 
     def __init__(self, *, limit: int = MAX_BUFFER) -> None:
-        if limit < 1:
-            raise ValueError(f"limit={limit} is invalid: must be at least 1")
+        check_argument("limit", limit, at_least_one, integer=True)
         self.limit = limit
         self.boundary = -1
         self._buf = bytearray()  # the unfinished line; only its first _HEAD bytes once it is over the limit

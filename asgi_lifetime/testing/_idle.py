@@ -14,6 +14,7 @@ import anyio
 import httpx
 
 from .._middleware import Lifetime, LifetimeMiddleware
+from .._settings import check_argument, positive
 from .._stats import GAUGES
 
 __all__ = ["GAUGES", "assert_idle", "held", "wait_idle"]
@@ -55,8 +56,7 @@ async def wait_idle(
     (its base URL and headers are used as they are; otherwise one is made for ``target``).
     Raises ``AssertionError`` listing what is still held after ``within``.
     """
-    if within <= 0:
-        raise ValueError(f"within must be > 0, got {within!r}")
+    check_argument("within", within, positive)
     async with _Reader(target, client, within) as read:
         with anyio.move_on_after(within):
             while True:

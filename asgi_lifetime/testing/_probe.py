@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import anyio
 from starlette.types import ASGIApp, Message
 
-from .._settings import KiB, MiB
+from .._settings import KiB, MiB, check_argument, positive
 from . import _heap
 
 __all__ = [
@@ -199,10 +199,9 @@ async def probe_retention(
     (or finish) streaming within ``within`` seconds; ``ValueError`` for a body without the marker in
     each ``chunk_size`` piece.
     """
-    if body_size <= 0 or chunk_size <= 0:
-        raise ValueError(f"body_size and chunk_size must be > 0, got {body_size!r} and {chunk_size!r}")
-    if within <= 0:
-        raise ValueError(f"within must be > 0, got {within!r}")
+    check_argument("body_size", body_size, positive, integer=True)
+    check_argument("chunk_size", chunk_size, positive, integer=True)
+    check_argument("within", within, positive)
     marker = "lp" + secrets.token_hex(10)
     exchange = _Exchange(_chunks(body_factory(marker, body_size), marker, chunk_size))
     target, _, query = path.partition("?")

@@ -21,6 +21,8 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 
+from .._settings import check_argument, positive
+
 __all__ = ["serve_in_thread"]
 
 logger = logging.getLogger(__name__)
@@ -50,10 +52,8 @@ def serve_in_thread(
     ``log_level="warning"``, ``log_config=None`` (the host's logging setup is left alone) and
     ``timeout_graceful_shutdown=1`` (in-flight responses get one second on exit).
     """
-    if startup_timeout <= 0:
-        raise ValueError(f"startup_timeout must be > 0, got {startup_timeout!r}")
-    if shutdown_timeout <= 0:
-        raise ValueError(f"shutdown_timeout must be > 0, got {shutdown_timeout!r}")
+    check_argument("startup_timeout", startup_timeout, positive)
+    check_argument("shutdown_timeout", shutdown_timeout, positive)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
     # accepted sockets inherit it. Without it Nagle holds back each small write until the peer's

@@ -42,6 +42,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from .._settings import check_argument, positive
+
 __all__ = ["DemoStats", "create_demo_upstream", "parse_behaviour"]
 
 _WORDS = (
@@ -374,8 +376,7 @@ def create_demo_upstream(*, tokens_per_second: float = 50.0, default_tokens: int
             ...
         app.state.stats.disconnects
     """
-    if not (tokens_per_second > 0 and math.isfinite(tokens_per_second)):
-        raise ValueError(f"tokens_per_second must be a finite number > 0, got {tokens_per_second!r}")
+    check_argument("tokens_per_second", tokens_per_second, positive)
     if not 0 <= default_tokens <= _MAX_TOKENS:
         raise ValueError(f"default_tokens must be between 0 and {_MAX_TOKENS}, got {default_tokens!r}")
     upstream = _Upstream(tokens_per_second=tokens_per_second, default_tokens=default_tokens, seed=seed)

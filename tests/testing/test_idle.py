@@ -140,5 +140,5 @@ async def test_a_url_without_lifetime_stats_is_an_assertion(anyio_backend: str) 
 
 
 async def test_within_must_be_positive(anyio_backend: str) -> None:
-    with pytest.raises(ValueError, match="within must be > 0"):
+    with pytest.raises(ValueError, match="^within=0 is invalid: must be greater than 0$"):
         await wait_idle(apps.lifetime_app(), within=0)

@@ -347,7 +347,8 @@ async def test_a_failed_lifespan_startup_is_a_probe_error(anyio_backend: str) ->
     "options", [{"body_size": 0}, {"chunk_size": -1}, {"within": 0}], ids=["body_size", "chunk_size", "within"]
 )
 async def test_bad_options_are_refused(anyio_backend: str, options: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match="must be > 0"):
+    [(name, value)] = options.items()
+    with pytest.raises(ValueError, match=f"^{name}={value} is invalid: must be greater than 0$"):
         await probe_retention(apps.well_behaved(), **options)
 
 
