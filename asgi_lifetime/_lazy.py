@@ -32,6 +32,7 @@ from __future__ import annotations
 import codecs
 import itertools
 import operator
+import re
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -68,7 +69,7 @@ _NAME: Final = 256
 _UTF8_STEP: Final = 4 * 1024
 _MAX_CANDIDATES: Final = 16
 _DIGITS: Final = b"0123456789"
-_WHITESPACE: Final = b" \t\n\r"
+_SPACE: Final = re.compile(rb"[ \t\n\r]*")
 _QUOTE, _ARRAY, _OBJECT, _NULL = ord('"'), ord("["), ord("{"), ord("n")
 
 _ABSENT: Final = msgspec.Raw(b"")
@@ -382,7 +383,7 @@ def locate(raw: bytes, key: str) -> tuple[int, int] | None:
     Its bytes (a view, from a pass that builds nothing else) are looked for after each ``"key":``,
     the way such a key is written outside a string; the one found must be the top-level key (what
     precedes it, closed with one more entry, is a whole object) and the last one there. An escaped
-    spelling, or whitespace before the colon: None (the caller parses)."""
+    spelling, or whitespace before the colon: None (the caller parses); whitespace after it is skipped."""
     try:
         value = getattr(_top_views.decode(raw), key)
         if _first(value) != _ARRAY:
@@ -392,7 +393,7 @@ def locate(raw: bytes, key: str) -> tuple[int, int] | None:
         for _ in range(_MAX_CANDIDATES):
             if at < 0:
                 return None
-            start = at + len(marker)
+            start = _skip_space(raw, at + len(marker))
             end = start + len(value)
             if raw.startswith(value, start) and _top_level(raw, at) and _last(raw, end, key):
                 return start, end
@@ -404,8 +405,15 @@ def locate(raw: bytes, key: str) -> tuple[int, int] | None:
 
 def _top_level(raw: bytes, at: int) -> bool:
     """Whether a key starting at ``raw[at]`` is one of the top-level object's own."""
+    # The quote of an escape can end a key too: ``"x\"messages":[]`` (the key ``x"messages``) holds
+    # the marker, and ``{"x\`` closed with ``"":0}`` is a whole object, so the check below would
+    # pass it and the splice would go into that key's value. A key's own opening quote never follows
+    # a backslash; any other quote inside a string makes the check below fail ("" after a string).
+    if raw[at - 1 : at] == b"\\":
+        return False
     try:
-        _whole.decode(raw[:at] + b'"":0}')
+        # One copy of the prefix (``raw[:at] + ...`` makes two at once: 2x the body, past the budget).
+        _whole.decode(b"".join((memoryview(raw)[:at], b'"":0}')))
     except msgspec.DecodeError:  # a container left open: the key was nested
         return False
     return True
@@ -413,7 +421,14 @@ def _top_level(raw: bytes, at: int) -> bool:
 
 def _last(raw: bytes, end: int, key: str) -> bool:
     """Whether no ``key`` follows in the top-level object after its value ending at ``raw[end]``."""
-    rest = raw[end:].lstrip(_WHITESPACE)
-    if rest[:1] != b",":
+    comma = _skip_space(raw, end)
+    if raw[comma : comma + 1] != b",":
         return True  # the closing brace
-    return getattr(_top_views.decode(b"{" + rest[1:]), key) is _ABSENT
+    # One copy of the rest (``lstrip``, a slice and ``+`` made three).
+    return getattr(_top_views.decode(b"".join((b"{", memoryview(raw)[comma + 1 :]))), key) is _ABSENT
+
+
+def _skip_space(raw: bytes, at: int) -> int:
+    """Where the JSON whitespace from ``raw[at]`` on ends."""
+    found = _SPACE.match(raw, at)  # "[ \t\n\r]*" always matches
+    return found.end() if found is not None else at
