@@ -25,6 +25,8 @@ the others are checked like any value.
 Memory: the walk counts what it holds as it decodes it (``_Node.__post_init__``: a node and its
 views; a piece decoded whole, what ``_parse.parse_cost`` says it takes) and gives up (``None``: the
 full parse decides, within its own bound) past ``lazy_cost``, the budget charged before it runs.
+Time: what it decodes again below the top level (an array or object inside a message, once per
+level of nesting) is counted too (``_spend``); past ``_PASSES`` times the body it gives up the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import codecs
 import itertools
 import operator
+import re
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -67,8 +70,12 @@ _NAME: Final = 256
 """A part type's name is at most this many bytes (a text type's name, every character escaped)."""
 _UTF8_STEP: Final = 4 * 1024
 _MAX_CANDIDATES: Final = 16
+_PASSES: Final = 8
+"""The walk decodes again at most this many times the body's size (past the top-level pass), each
+time in up to three scans (a list of nodes tried, its commas counted, its views): a conversation
+nests a few levels (message, parts, a tool result's parts), each decoded once more."""
 _DIGITS: Final = b"0123456789"
-_WHITESPACE: Final = b" \t\n\r"
+_SPACE: Final = re.compile(rb"[ \t\n\r]*")
 _QUOTE, _ARRAY, _OBJECT, _NULL = ord('"'), ord("["), ord("{"), ord("n")
 
 _ABSENT: Final = msgspec.Raw(b"")
@@ -84,6 +91,8 @@ class _Allowance(threading.local):
     an iterator that runs dry past the budget, so that counting costs a node a few ``next()``."""
 
     units: Iterator[None] = itertools.repeat(None, 0)
+    work = 0
+    """Bytes the walk may still decode again (``_spend``)."""
 
 
 _allowance: Final = _Allowance()
@@ -94,6 +103,16 @@ def _grant(nbytes: int) -> None:
     if nbytes < 0:
         raise _Unsure
     _allowance.units = itertools.repeat(None, nbytes // _UNIT)
+
+
+def _spend(nbytes: int) -> None:
+    """Count ``nbytes`` more decoded again (an array or object inside a message): ``_Unsure`` past
+    ``_PASSES`` times the body (the full parse decides, in one pass). Each level of nesting decodes
+    what it holds once more: without this, a body nested 400 deep around one 8 MiB string took 2.8 s
+    (its full parse, 4 ms)."""
+    _allowance.work -= nbytes
+    if _allowance.work < 0:
+        raise _Unsure
 
 
 def _left() -> int:
@@ -217,6 +236,7 @@ def lazy_cost(raw: bytes) -> int:
 def shape(raw: bytes) -> Shape | None:
     """The verdict and conversation key of ``raw``, if the full parse would succeed; else None."""
     _grant(lazy_cost(raw))
+    _allowance.work = _PASSES * len(raw)
     try:
         try:
             found = _typed(_decode(_tops, raw))
@@ -313,6 +333,7 @@ def _comparable(value: msgspec.Raw) -> bool:
         return True
     if first != _ARRAY and first != _OBJECT:
         return False
+    _spend(len(value))
     left = _left()
     try:
         if first == _OBJECT:
@@ -382,7 +403,7 @@ def locate(raw: bytes, key: str) -> tuple[int, int] | None:
     Its bytes (a view, from a pass that builds nothing else) are looked for after each ``"key":``,
     the way such a key is written outside a string; the one found must be the top-level key (what
     precedes it, closed with one more entry, is a whole object) and the last one there. An escaped
-    spelling, or whitespace before the colon: None (the caller parses)."""
+    spelling, or whitespace before the colon: None (the caller parses); whitespace after it is skipped."""
     try:
         value = getattr(_top_views.decode(raw), key)
         if _first(value) != _ARRAY:
@@ -392,7 +413,7 @@ def locate(raw: bytes, key: str) -> tuple[int, int] | None:
         for _ in range(_MAX_CANDIDATES):
             if at < 0:
                 return None
-            start = at + len(marker)
+            start = _skip_space(raw, at + len(marker))
             end = start + len(value)
             if raw.startswith(value, start) and _top_level(raw, at) and _last(raw, end, key):
                 return start, end
@@ -404,8 +425,15 @@ def locate(raw: bytes, key: str) -> tuple[int, int] | None:
 
 def _top_level(raw: bytes, at: int) -> bool:
     """Whether a key starting at ``raw[at]`` is one of the top-level object's own."""
+    # The quote of an escape can end a key too: ``"x\"messages":[]`` (the key ``x"messages``) holds
+    # the marker, and ``{"x\`` closed with ``"":0}`` is a whole object, so the check below would
+    # pass it and the splice would go into that key's value. A key's own opening quote never follows
+    # a backslash; any other quote inside a string makes the check below fail ("" after a string).
+    if raw[at - 1 : at] == b"\\":
+        return False
     try:
-        _whole.decode(raw[:at] + b'"":0}')
+        # One copy of the prefix (``raw[:at] + ...`` makes two at once: 2x the body, past the budget).
+        _whole.decode(b"".join((memoryview(raw)[:at], b'"":0}')))
     except msgspec.DecodeError:  # a container left open: the key was nested
         return False
     return True
@@ -413,7 +441,14 @@ def _top_level(raw: bytes, at: int) -> bool:
 
 def _last(raw: bytes, end: int, key: str) -> bool:
     """Whether no ``key`` follows in the top-level object after its value ending at ``raw[end]``."""
-    rest = raw[end:].lstrip(_WHITESPACE)
-    if rest[:1] != b",":
+    comma = _skip_space(raw, end)
+    if raw[comma : comma + 1] != b",":
         return True  # the closing brace
-    return getattr(_top_views.decode(b"{" + rest[1:]), key) is _ABSENT
+    # One copy of the rest (``lstrip``, a slice and ``+`` made three).
+    return getattr(_top_views.decode(b"".join((b"{", memoryview(raw)[comma + 1 :]))), key) is _ABSENT
+
+
+def _skip_space(raw: bytes, at: int) -> int:
+    """Where the JSON whitespace from ``raw[at]`` on ends."""
+    found = _SPACE.match(raw, at)  # "[ \t\n\r]*" always matches
+    return found.end() if found is not None else at
