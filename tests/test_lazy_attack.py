@@ -16,7 +16,7 @@ import pytest
 from asgi_lifetime import _lazy
 from asgi_lifetime._lazy import Shape, lazy_cost, locate, shape
 
-from .test_lazy import agrees, reference, splices
+from .test_lazy import agrees, peak_of, reference, splices
 
 PAD = b'"pad":"' + b"x" * 70_000 + b'"'
 """Makes a body larger than ``_lazy._SMALL``: smaller ones are parsed whole, never walked."""
@@ -255,12 +255,7 @@ ADVERSARIAL = {
 
 @pytest.mark.parametrize("raw", ADVERSARIAL.values(), ids=ADVERSARIAL.keys())
 def test_the_walk_stays_within_its_budget(raw: bytes) -> None:
-    tracemalloc.start()
-    try:
-        found = shape(raw)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    found, peak = peak_of(raw)
     assert found is None or found == reference(raw)
     assert peak <= lazy_cost(raw), (peak, lazy_cost(raw), len(raw))
 
