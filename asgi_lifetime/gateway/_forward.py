@@ -119,7 +119,7 @@ class Forwarder:
                 if self._claims:  # bounded by SESSION_STORE_TIMEOUT; the in-memory book never gets here
                     claim = await self.book.claim(session_id, state.fingerprint, started)
             prepared, held = await self._prepare(scope, receive, state, session_id)
-            await self._watched(
+            await ClientWatch.watching(
                 receive, functools.partial(self._exchange, scope, send, prepared, held, session_id, exchange)
             )
             result = exchange.result
@@ -152,28 +152,6 @@ class Forwarder:
             )
             for bookkeeper in self.bookkeepers:
                 await record_outcome(bookkeeper, finished)
-
-    @staticmethod
-    async def _watched(receive: Receive, work: Callable[[ClientWatch], Awaitable[None]]) -> None:
-        """Run ``work`` under the request's one helper task, a ``ClientWatch``: a client that leaves
-        cancels what is under way (retries and backoff, or the relay) and closes the upstream."""
-        error: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            watch = ClientWatch(receive)
-            tg.start_soon(watch.run)
-            try:
-                await work(watch)
-            except Exception as exc:  # raised below as it is, not wrapped in the task group's ExceptionGroup
-                error = exc
-            if watch.running and watch.answered:
-                # The server reports a disconnect once the response is complete (ASGI): the watch ends by
-                # itself at the next loop turn. Cheaper than cancelling it (anyio formats the cancelling
-                # task's repr into each cancel's reason).
-                await anyio.lowlevel.checkpoint()
-            if watch.running:
-                tg.cancel_scope.cancel()
-        if error is not None:
-            raise error
 
     async def _exchange(
         self,
@@ -283,21 +261,14 @@ class Forwarder:
         retries and backoff must not outlive the client that asked for them."""
         response: httpx.Response | None = None
         error: LifetimeError | None = None
-        cut = anyio.CancelScope()
-        watch.attach(cut)
-        try:
-            with cut:
-                try:
-                    response = await self.upstream.forward(
-                        prepared, on_retries_settled=held.release, session_id=session_id
-                    )
-                    if response.status_code >= 400:
-                        # Read here, where a client leaving is noticed: the read stops, the upstream is closed.
-                        response = await self.upstream.capped(response)
-                except LifetimeError as exc:
-                    error = exc.with_traceback(None)  # a kept traceback would keep the retry loop's frames
-        finally:
-            watch.detach()
+        with watch.over():
+            try:
+                response = await self.upstream.forward(prepared, on_retries_settled=held.release, session_id=session_id)
+                if response.status_code >= 400:
+                    # Read here, where a client leaving is noticed: the read stops, the upstream is closed.
+                    response = await self.upstream.capped(response)
+            except LifetimeError as exc:
+                error = exc.with_traceback(None)  # a kept traceback would keep the retry loop's frames
         if watch.gone:
             if response is not None:  # answered in the same moment the client left
                 await close_response(response)

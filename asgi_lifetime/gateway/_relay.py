@@ -39,11 +39,13 @@ closed whatever happens, cancellation included.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -70,6 +72,8 @@ from ._transport import close_response, stop_reading
 __all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "ClientWatch", "RelayResult", "filter_headers", "relay"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 HOP_BY_HOP: frozenset[str] = frozenset(
     {
@@ -220,11 +224,7 @@ class _Relay:
         try:
             self._use(response)
             if watch is None:  # called on its own: a helper task of its own watches the client
-                async with anyio.create_task_group() as tg:
-                    watch = ClientWatch(receive)
-                    tg.start_soon(watch.run)
-                    outcome, error = await self._watched(response, watch)
-                    tg.cancel_scope.cancel()
+                outcome, error = await ClientWatch.watching(receive, functools.partial(self._watched, response))
             else:
                 outcome, error = await self._watched(response, watch)
             if error is None and self.helper_error is not None:
@@ -252,24 +252,19 @@ class _Relay:
         no task: setting it cancels the scope registered here. Returns the outcome and the error that ended it."""
         outcome: Ending = "client_disconnected"
         error: Exception | None = None
-        cut = anyio.CancelScope()
         stopping = self.stop.cancels(self.stop_scope) if self.stop is not None else contextlib.nullcontext()
-        watch.attach(cut, self)
-        try:
-            with cut:
-                try:
-                    with self.stop_scope, stopping:
-                        outcome = await self._relay(response)
-                    if self.stop_scope.cancelled_caught:
-                        # Graceful shutdown ran out of grace: end the stream with a clear error.
-                        await self._fail(
-                            AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
-                        )
-                        outcome = "shutdown"
-                except Exception as exc:  # raised by run(), after the closes (and out of any task group)
-                    error = exc
-        finally:
-            watch.detach()
+        with watch.over(self):
+            try:
+                with self.stop_scope, stopping:
+                    outcome = await self._relay(response)
+                if self.stop_scope.cancelled_caught:
+                    # Graceful shutdown ran out of grace: end the stream with a clear error.
+                    await self._fail(
+                        AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
+                    )
+                    outcome = "shutdown"
+            except Exception as exc:  # raised by run(), after the closes (and out of any task group)
+                error = exc
         return outcome, error
 
     def _answered(self) -> bool:
@@ -564,7 +559,7 @@ class _Relay:
 
 class ClientWatch:
     """A request's one helper task, from forwarding to the end of the relay: ``run`` waits for the client
-    to disconnect and then cancels the scope it watches over (``attach``); while a relay of an in-band
+    to disconnect and then cancels the scope it watches over (``over``); while a relay of an in-band
     stream is attached, it also sends the relay's keep-alives (after ``keepalive_interval`` of client
     silence, when the client is between events; if it is not, it tries again one interval later).
 
@@ -572,9 +567,10 @@ class ClientWatch:
     one as soon as the response is complete). A ``receive()`` that fails ends the watching (logged).
 
     ```python
-    watch = ClientWatch(receive)
-    tg.start_soon(watch.run)
-    result = await relay(response, send=send, receive=receive, watch=watch, ...)
+    async def work(watch: ClientWatch) -> RelayResult:
+        return await relay(response, send=send, receive=receive, watch=watch, ...)
+
+    result = await ClientWatch.watching(receive, work)
     ```
     """
 
@@ -590,21 +586,48 @@ class ClientWatch:
         self._waiting: anyio.CancelScope | None = None
         self._not_before = -math.inf
 
-    def attach(self, scope: anyio.CancelScope, relay: _Relay | None = None) -> None:
-        """Watch over ``scope`` (and ``relay``'s keep-alives) until ``detach()``; cancelled at once if gone."""
-        self._target, self._relay, self._not_before = scope, relay, -math.inf
+    @classmethod
+    async def watching(cls, receive: Receive, work: Callable[[ClientWatch], Awaitable[_T]]) -> _T:
+        """Run ``work(watch)`` while a new watch's task watches the client; the task ends with ``work``.
+        ``work``'s exception is raised as it is, not wrapped in the task group's ExceptionGroup."""
+        result: _T | Exception
+        async with anyio.create_task_group() as tg:
+            watch = cls(receive)
+            tg.start_soon(watch.run)
+            try:
+                result = await work(watch)
+            except Exception as exc:
+                result = exc
+            if watch.running and watch.answered:
+                # The server reports a disconnect once the response is complete (ASGI): the watch ends by
+                # itself at the next loop turn. Cheaper than cancelling it (anyio formats the cancelling
+                # task's repr into each cancel's reason).
+                await anyio.lowlevel.checkpoint()
+            if watch.running:
+                tg.cancel_scope.cancel()
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @contextlib.contextmanager
+    def over(self, relay: _Relay | None = None) -> Iterator[anyio.CancelScope]:
+        """A cancel scope the watch cancels when the client leaves (at once if it has left), watching
+        ``relay``'s keep-alives too, until the block ends."""
+        cut = anyio.CancelScope()
+        self._target, self._relay, self._not_before = cut, relay, -math.inf
         if self.gone:
             if relay is not None:
                 relay.disconnected = True
-            scope.cancel()
+            cut.cancel()
         elif relay is not None and relay.inband and self._waiting is not None:
             self._waiting.deadline = self._deadline()
-
-    def detach(self) -> None:
-        relay = self._relay
-        if relay is not None and relay.ended:
-            self.answered = True
-        self._target = self._relay = None
+        try:
+            with cut:
+                yield cut
+        finally:
+            if relay is not None and relay.ended:
+                self.answered = True
+            self._target = self._relay = None
 
     async def run(self) -> None:
         try:
@@ -626,20 +649,24 @@ class ClientWatch:
             self._waiting = None
             self.running = False
 
-    def _deadline(self) -> float:
+    def _due(self) -> float:
+        """When (``time.monotonic()``) the attached relay's next keep-alive is due; never without one."""
         relay = self._relay
         if relay is None or not relay.inband:
             return math.inf
-        due = max(relay.last_sent + relay.keepalive_interval, self._not_before)
-        return anyio.current_time() + max(due - time.monotonic(), 0.0)
+        return max(relay.last_sent + relay.keepalive_interval, self._not_before)
+
+    def _deadline(self) -> float:
+        """``_due()`` on anyio's clock, for a cancel scope's deadline."""
+        due = self._due()
+        return due if due == math.inf else anyio.current_time() + max(due - time.monotonic(), 0.0)
 
     async def _keepalive(self) -> None:
-        relay = self._relay
-        if relay is None or not relay.inband:
-            return
         now = time.monotonic()
-        if now < max(relay.last_sent + relay.keepalive_interval, self._not_before):
+        if now < self._due():
             return  # the client got bytes meanwhile (or the clocks differ by a hair): wait again
+        relay = self._relay
+        assert relay is not None  # _due() is finite only with an in-band relay attached
         if not await relay._keepalive():
             self._not_before = now + relay.keepalive_interval
 
