@@ -4,10 +4,13 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asgi_lifetime.gateway._sse import (
     FORMATS,
     KEEPALIVE,
+    MAX_BUFFER,
     SSEEvent,
     SSEParser,
     SSETracker,
@@ -195,6 +198,94 @@ def test_crlf_split_after_the_cr_of_a_blank_line() -> None:
     assert parser.at_boundary
     parser.feed(b"\ndata: b")
     assert parser.boundary == 1  # the LF belongs to the CR before it
+
+
+# -- the usual chunk's short way, against the general one ----------------------------------------
+#
+# ``feed`` reads a usual chunk (whole ``\n`` lines after a line end, no BOM, none over the limit)
+# without the general path's calls per line. Whatever the stream and its chunking, it must see
+# the same events and report the same position after every chunk as the general path alone.
+
+
+class GeneralParser(SSEParser):
+    """The reference: every chunk through the general path."""
+
+    __slots__ = ()
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        return self._feed_any(chunk)
+
+
+_VALUES = st.one_of(
+    st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=["Cs"]), max_size=12).map(str.encode),
+    st.binary(max_size=90).map(lambda raw: raw.replace(b"\r", b"").replace(b"\n", b"")),  # invalid UTF-8, long lines
+    st.integers(0, 10**6).map(lambda n: str(n).encode()),
+    st.just(b"a\0b"),
+)
+_NAMES = st.sampled_from([b"data", b"data", b"data", b"event", b"id", b"retry", b"", b"other"])
+# Mostly \n (the short way's case), with the others mixed in.
+_ENDINGS = st.sampled_from([b"\n", b"\n", b"\n", b"\r\n", b"\r"])
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> tuple[int, bytes, list[bytes]]:
+    """A limit, a stream of random lines and line endings, and a random chunking of it."""
+    limit = draw(st.one_of(st.integers(1, 64), st.just(MAX_BUFFER)))
+    sizes = st.integers(max(0, limit - 8), limit + 2) if limit < MAX_BUFFER else st.just(0)
+    near = sizes.map(lambda size: b"x" * size)  # a line just within the limit or just over it
+    field = st.tuples(_NAMES, st.sampled_from([b":", b": ", b""]), _VALUES | near).map(b"".join)  # "": a comment
+    line = st.tuples(field | st.just(b"") | st.just(b"data"), _ENDINGS).map(b"".join)
+    raw = draw(st.sampled_from([b"", b"", b"\xef\xbb\xbf"])) + b"".join(draw(st.lists(line, max_size=30)))
+    raw += draw(_VALUES)  # an unfinished line, perhaps empty
+    line_ends = [i + 1 for i in range(len(raw)) if raw[i : i + 1] == b"\n"]
+    cuts = set(draw(st.lists(st.sampled_from(line_ends)))) if line_ends else set()  # whole lines, as most streams
+    if draw(st.booleans()):
+        cuts.update(draw(st.lists(st.integers(0, len(raw)), max_size=20)))  # anywhere
+    if draw(st.booleans()):
+        cuts.update(i + 1 for i in range(len(raw)) if raw[i : i + 1] == b"\r")  # between \r and \n
+    if draw(st.integers(0, 9)) == 0:
+        cuts.update(range(len(raw)))  # byte by byte
+    edges = [0, *sorted(cuts), len(raw)]
+    return limit, raw, [raw[a:b] for a, b in zip(edges, edges[1:], strict=False)]
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=_streams())
+def test_the_short_way_reads_like_the_general_one(stream: tuple[int, bytes, list[bytes]]) -> None:
+    limit, raw, chunks = stream
+    parser, reference = SSEParser(limit=limit), GeneralParser(limit=limit)
+    for chunk in chunks:
+        assert parser.feed(chunk) == reference.feed(chunk), (raw, chunks)
+        assert (parser.boundary, parser.at_boundary, parser.mid_event) == (
+            reference.boundary,
+            reference.at_boundary,
+            reference.mid_event,
+        ), (raw, chunks, chunk)
+
+
+def test_a_usual_chunk_takes_the_short_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    # After the first line (BOM or not), a chunk of whole \n lines within the limit is read without
+    # the general way; a line carried over, a \r or a chunk over the limit takes it.
+    parsers = [SSEParser(), SSEParser(), SSEParser(), SSEParser(limit=8)]
+    for parser in parsers:
+        assert parser.feed(b": opening\n") == []
+    assert parsers[1].feed(b"data: a") == []
+    general: list[bytes] = []
+
+    def feed_any(self: SSEParser, chunk: bytes) -> list[SSEEvent]:
+        general.append(chunk)
+        return []
+
+    monkeypatch.setattr(SSEParser, "_feed_any", feed_any)
+    usual, carried, cr, over = parsers
+    events = usual.feed(b'data: {"a":1}\n\ndata: b\n: c\n\nevent: x\ndata')
+    assert events == [SSEEvent(data='{"a":1}'), SSEEvent(data="b")]
+    assert (usual.boundary, usual.mid_event) == (28, True)
+    assert general == []
+    carried.feed(b"\n\n")
+    cr.feed(b"data: a\r\n\r\n")
+    over.feed(b"data: 123456\n")
+    assert general == [b"\n\n", b"data: a\r\n\r\n", b"data: 123456\n"]
 
 
 def test_sse_event_round_trip() -> None:
