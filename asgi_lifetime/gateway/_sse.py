@@ -625,6 +625,11 @@ def classify(event: str, payload: Any, fmt: StreamFormat | None = None) -> Event
         return error
     if fmt is None:
         fmt = detect_format(event, payload)
+    return _read(event, payload, fmt)
+
+
+def _read(event: str, payload: Any, fmt: StreamFormat | None) -> EventClass:
+    """``fmt``'s reading of a payload that is not an error (see ``classify``)."""
     if fmt is None or not isinstance(payload, dict):
         return _NOTHING
     acc = _Accumulator()
@@ -777,7 +782,7 @@ class SSETracker:
             self.format = detect_format(name, payload)
         if self.format is None or self.saw_oversized:
             return _NOTHING
-        return classify(name, payload, self.format)
+        return _read(name, payload, self.format)  # observe found it is not an error
 
     def _record(self, kind: EventClass) -> None:
         if kind.content:
