@@ -66,7 +66,7 @@ from .._settings import check_argument, positive
 from .._stats import Counters
 from ._bookkeeping import Ending
 from ._shutdown import StopSignal
-from ._sse import KEEPALIVE, MAX_BUFFER, SSETracker, sse_event
+from ._sse import _BOM, KEEPALIVE, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
 __all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "ClientWatch", "RelayResult", "filter_headers", "relay"]
@@ -205,6 +205,8 @@ class _Relay:
         # The unfinished event, not sent yet: one growing buffer, not a list of chunks (an upstream
         # sending it in 2-byte HTTP chunks would make a list of them cost ~40x the bytes held).
         self.tail = bytearray()
+        # No byte of the response being relayed was released yet: a BOM it starts with is dropped.
+        self.fresh = False
         self.passthrough = False  # the client is inside an event too large to hold
         self.withheld: list[bytes] = []  # whole events held back after a starving terminal
         self.withheld_size = 0
@@ -300,6 +302,7 @@ class _Relay:
             self.declared = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
             self.start = {"type": "http.response.start", "status": response.status_code, "headers": headers}
         self.tracker = SSETracker() if self.inband else None
+        self.fresh = self.inband
         self.guarded = self.hold_ok = self.inband and 200 <= response.status_code < 300
         self._drop_held()
 
@@ -468,7 +471,7 @@ class _Relay:
             await self._send_body(chunk if cut < 0 else chunk[:cut])
             self.passthrough = cut < 0
         elif cut >= 0:
-            await self._release(tracker, self._take_tail() + chunk[:cut], completed)
+            await self._release(tracker, self._unmarked(self._take_tail() + chunk[:cut]), completed)
         if cut < 0 and self.passthrough:
             return
         rest = chunk if cut < 0 else chunk[cut:]
@@ -480,7 +483,7 @@ class _Relay:
             await self._flush_withheld()
             self.hold_ok = False
             self.passthrough = self.delivered = True
-            await self._send_body(self._take_tail())
+            await self._send_body(self._unmarked(self._take_tail()))
 
     async def _release(self, tracker: SSETracker, events: bytes, completed: int) -> None:
         """Send whole events, unless they follow a terminal that would count as starvation."""
@@ -496,6 +499,19 @@ class _Relay:
         if events:
             await self._send_body(events)
             self.delivered = self.delivered or completed > 0
+
+    def _unmarked(self, data: bytes) -> bytes:
+        """``data``, the response's bytes released from the hold, without the BOM the response starts with.
+
+        A BOM marks the start of a stream only (the parser drops it there, as clients do), and the
+        client's stream may not start here: keep-alives sent while the upstream was silent, or the
+        comments of a starved first attempt, come first. A BOM after them is part of a field name
+        (``\\ufeffdata``): the client would drop the event the guard counted as delivered.
+        """
+        if not self.fresh or not data:
+            return data
+        self.fresh = False
+        return data[len(_BOM) :] if data.startswith(_BOM) else data
 
     def _take_tail(self) -> bytes:
         tail = bytes(self.tail)
