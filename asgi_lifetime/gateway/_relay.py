@@ -66,7 +66,7 @@ from .._settings import check_argument, positive
 from .._stats import Counters
 from ._bookkeeping import Ending
 from ._shutdown import StopSignal
-from ._sse import _BOM, KEEPALIVE, MAX_BUFFER, SSETracker, sse_event
+from ._sse import _BOM, KEEPALIVE, KEEPALIVE_LINE, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
 __all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "ClientWatch", "RelayResult", "filter_headers", "relay"]
@@ -208,6 +208,7 @@ class _Relay:
         # No byte of the response being relayed was released yet: a BOM it starts with is dropped.
         self.fresh = False
         self.passthrough = False  # the client is inside an event too large to hold
+        self.event_ids = False  # the client was sent an ``id`` field: keep-alives without a blank line
         self.withheld: list[bytes] = []  # whole events held back after a starving terminal
         self.withheld_size = 0
         self.delivered = False  # the client has received (part of) an upstream event
@@ -282,9 +283,16 @@ class _Relay:
             # Checked under the lock: the main task sends under it too. Only whole events were
             # sent, so the client is between events unless one is streaming through.
             if self.waiting and not self.passthrough:
-                await self._send_body(KEEPALIVE)
+                self.event_ids = self.event_ids or self._holds_id()
+                await self._send_body(KEEPALIVE_LINE if self.event_ids else KEEPALIVE)
                 return True
         return False
+
+    def _holds_id(self) -> bool:
+        """The response being relayed has carried an ``id`` field (the client's parser keeps it, even
+        across a re-issued response)."""
+        tracker = self.tracker
+        return tracker is not None and tracker.parser.last_event_id is not None
 
     # -- relaying -------------------------------------------------------------------------------
 
@@ -301,6 +309,7 @@ class _Relay:
             lengths = [value for name, value in headers if name == b"content-length"]
             self.declared = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
             self.start = {"type": "http.response.start", "status": response.status_code, "headers": headers}
+        self.event_ids = self.event_ids or self._holds_id()
         self.tracker = SSETracker() if self.inband else None
         self.fresh = self.inband
         self.guarded = self.hold_ok = self.inband and 200 <= response.status_code < 300

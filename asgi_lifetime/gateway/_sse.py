@@ -47,6 +47,7 @@ from .._settings import at_least_one, check_argument
 __all__ = [
     "FORMATS",
     "KEEPALIVE",
+    "KEEPALIVE_LINE",
     "MAX_BUFFER",
     "EventClass",
     "SSEEvent",
@@ -60,6 +61,10 @@ __all__ = [
 ]
 
 KEEPALIVE = b": keep-alive\n\n"
+# The keep-alive of a stream that has carried an ``id`` field: one comment line, no blank line.
+# The openai and anthropic SDKs dispatch an empty event at a blank line once they hold a last
+# event id (kept across events, as the spec says) and fail to parse its empty data.
+KEEPALIVE_LINE = b": keep-alive\n"
 # The most of one line, or of one event's data, that is kept; a larger event is dispatched
 # without its data (``SSEEvent.oversized``).
 MAX_BUFFER = 1024 * 1024
@@ -165,6 +170,11 @@ class SSEParser:
         dispatches nothing.)
         """
         return not self._line_size and not self._fields
+
+    @property
+    def last_event_id(self) -> str | None:
+        """The last ``id`` field's value (kept across events, as in browsers), None if none came."""
+        return self._id
 
     @property
     def mid_event(self) -> bool:

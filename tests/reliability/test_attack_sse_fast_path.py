@@ -22,6 +22,7 @@ from typing import Any
 import anthropic
 import anyio
 import httpx
+import httpx2
 import openai
 import pytest
 from starlette.applications import Starlette
@@ -243,6 +244,82 @@ def test_the_anthropic_sdk_reads_the_whole_answer_after_keepalives_and_a_bom(ser
                 final = stream.get_final_message()
         anyio.run(assert_idle, app, url)
     assert text == "Hello" and final.stop_reason == "end_turn"
+    assert len(upstream.requests) == 1
+
+
+# -- keep-alives in a stream that carries ids ----------------------------------------------------------
+
+# The openai and anthropic SDKs keep the last event id across events (as the spec says) and dispatch an
+# event at every blank line once they hold one: a keep-alive ending in a blank line was an empty event,
+# and the SDK failed to parse its empty data (a bare JSONDecodeError in the middle of the answer).
+
+
+class _Watching(httpx2.BaseTransport):
+    """The SDK's transport (the openai SDK sends with httpx2), calling ``seen`` with the response
+    body so far as it arrives."""
+
+    def __init__(self, seen: Callable[[bytes], None]) -> None:
+        self._inner = httpx2.HTTPTransport()
+        self._seen = seen
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = self._inner.handle_request(request)
+        return httpx2.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_WatchedStream(response.stream, self._seen),
+            extensions=response.extensions,
+        )
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class _WatchedStream(httpx2.SyncByteStream):
+    def __init__(self, inner: Any, seen: Callable[[bytes], None]) -> None:
+        self._inner = inner
+        self._seen = seen
+
+    def __iter__(self) -> Iterator[bytes]:
+        body = b""
+        for piece in self._inner:
+            body += piece
+            self._seen(body)
+            yield piece
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_the_openai_sdk_reads_a_stream_with_ids_through_keepalives(server: str) -> None:
+    go = threading.Event()
+    got: list[bytes] = []
+
+    def seen(body: bytes) -> None:
+        got[:] = [body]
+        if b": keep-alive" in body.partition(b"id: 1\n")[2]:
+            go.set()  # a keep-alive came after the event with the id: the upstream goes on
+
+    rest = _chunked([CHAT_MORE, CHAT_END]) + END_OF_BODY
+    with (
+        raw_upstream(_scripted(SSE_HEAD, chunk(b"id: 1\n" + CHAT_FIRST), _after(go, rest))) as upstream,
+        gateway(upstream.url, server, keepalive_interval=0.05, stall_timeout=10.0) as (url, app),
+    ):
+        with (
+            openai.DefaultHttpxClient(timeout=SDK_TIMEOUT, transport=_Watching(seen)) as http,
+            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0, http_client=http) as client,
+        ):
+            stream = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            parts = list(stream)
+        anyio.run(assert_idle, app, url)
+    text = "".join(part.choices[0].delta.content or "" for part in parts if part.choices)
+    assert text == "Hello"
+    # The keep-alives were comment lines only, and the client's events are the upstream's.
+    assert b": keep-alive\n\n" not in got[0] and b": keep-alive\n" in got[0]
+    assert [event.data for event in events(got[0])] == [event.data for event in events(b"id: 1\n" + CHAT)]
     assert len(upstream.requests) == 1
 
 
