@@ -66,7 +66,7 @@ from .._settings import check_argument, positive
 from .._stats import Counters
 from ._bookkeeping import Ending
 from ._shutdown import StopSignal
-from ._sse import _BOM, KEEPALIVE, KEEPALIVE_LINE, MAX_BUFFER, SSETracker, sse_event
+from ._sse import BOM, KEEPALIVE, KEEPALIVE_LINE, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
 __all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "ClientWatch", "RelayResult", "filter_headers", "relay"]
@@ -520,7 +520,7 @@ class _Relay:
         if not self.fresh or not data:
             return data
         self.fresh = False
-        return data[len(_BOM) :] if data.startswith(_BOM) else data
+        return data[len(BOM) :] if data.startswith(BOM) else data
 
     def _take_tail(self) -> bytes:
         tail = bytes(self.tail)

@@ -45,6 +45,7 @@ from .._parse import too_costly
 from .._settings import at_least_one, check_argument
 
 __all__ = [
+    "BOM",
     "FORMATS",
     "KEEPALIVE",
     "KEEPALIVE_LINE",
@@ -71,7 +72,8 @@ MAX_BUFFER = 1024 * 1024
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _TEXT_LINE_END = re.compile(r"\r\n|\r|\n")
-_BOM = b"\xef\xbb\xbf"
+# A stream may start with a UTF-8 BOM; it is dropped there (and only there), as clients do.
+BOM = b"\xef\xbb\xbf"
 _ERROR_MESSAGE_LIMIT = 500
 # What is kept of a line over the limit: enough to tell a comment or a ``data`` field.
 _HEAD = 16
@@ -270,8 +272,8 @@ class SSEParser:
     def _line(self, line: bytes, over: bool) -> SSEEvent | None:
         if self._first:
             self._first = False
-            if line.startswith(_BOM):
-                line = line[len(_BOM) :]
+            if line.startswith(BOM):
+                line = line[len(BOM) :]
         if not line:
             return self._dispatch()
         if line[:1] == b":":
