@@ -66,8 +66,8 @@ KEEPALIVE = b": keep-alive\n\n"
 # The openai and anthropic SDKs dispatch an empty event at a blank line once they hold a last
 # event id (kept across events, as the spec says) and fail to parse its empty data.
 KEEPALIVE_LINE = b": keep-alive\n"
-# The most of one line, or of one event's data, that is kept; a larger event is dispatched
-# without its data (``SSEEvent.oversized``).
+# The most of one line (in bytes on the wire), or of one event's data (in bytes in memory), that is
+# kept; a larger event is dispatched without its data (``SSEEvent.oversized``).
 MAX_BUFFER = 1024 * 1024
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -138,6 +138,7 @@ class SSEParser:
         "_fields",
         "_data",
         "_data_size",
+        "_data_width",
         "_oversized",
         "_event",
         "_id",
@@ -154,7 +155,8 @@ class SSEParser:
         self._line_size = 0  # bytes of the unfinished line, kept or not
         self._fields = False  # a field line was read since the last blank line
         self._data: list[str] = []
-        self._data_size = 0
+        self._data_size = 0  # characters of the event's data so far (with a separator each)
+        self._data_width = 1  # bytes a character of it takes in memory (see _width)
         self._oversized = False  # the event being assembled has more data than the limit
         self._event: str | None = None
         self._id: str | None = None
@@ -288,13 +290,22 @@ class SSEParser:
         return None
 
     def _field(self, line: bytes) -> None:
-        """Read one field line (not a comment, within the limit)."""
-        name, colon, value = line.decode("utf-8", "replace").partition(":")
+        """Read one field line (not a comment, within the limit in bytes)."""
+        text = line.decode("utf-8", "replace")
+        width = _width(text)
+        if width > 1 and len(text) * width > self.limit:
+            # Within the limit on the wire, over it in memory: one wide character makes every
+            # character of a str take 2 or 4 bytes. As for a line over the limit, only data matters.
+            if text.partition(":")[0] == "data":
+                self._overflow()
+            return
+        name, colon, value = text.partition(":")
         if colon and value.startswith(" "):
             value = value[1:]
         if name == "data":
             self._data_size += len(value) + 1
-            if self._data_size > self.limit:
+            self._data_width = max(self._data_width, width)
+            if self._data_size * self._data_width > self.limit:  # what the joined data takes in memory
                 self._overflow()
             elif not self._oversized:
                 self._data.append(value)
@@ -315,7 +326,7 @@ class SSEParser:
         self._fields = False
         event_type, self._event = self._event, None
         oversized, self._oversized = self._oversized, False
-        self._data_size = 0
+        self._data_size, self._data_width = 0, 1
         if not (self._data or oversized):
             return None
         data = "\n".join(self._data)
@@ -323,6 +334,15 @@ class SSEParser:
         retry, self._retry = self._retry, None
         # Positional: keyword arguments cost a frozen dataclass a third more, once per event.
         return SSEEvent(data, event_type or "message", self._id, retry, oversized)
+
+
+def _width(text: str) -> int:
+    """The bytes a character of ``text`` takes in memory: CPython stores a str at 1, 2 or 4 bytes a
+    character, as its widest one needs."""
+    if text.isascii():  # a flag: no scan
+        return 1
+    widest = ord(max(text))
+    return 1 if widest < 0x100 else 2 if widest < 0x10000 else 4
 
 
 @dataclass(frozen=True, slots=True)

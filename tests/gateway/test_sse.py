@@ -127,6 +127,36 @@ def test_many_data_lines_over_the_limit_make_one_oversized_event() -> None:
     assert parser.feed(b"\n") == [SSEEvent(data="", oversized=True)]
 
 
+# The limit is on what the parser keeps in memory: CPython stores a str at 1, 2 or 4 bytes a character,
+# as its widest character needs, so one emoji in a line of ASCII makes it take 4 bytes a character.
+# Counted in characters, these events were kept at up to 4x the limit. Fed whole and byte by byte.
+WIDE = {
+    "ascii-then-emoji": (b"data: " + b"x" * 400 + "\U0001f600".encode() + b"\n\n", True),
+    "emoji-in-its-own-line": (b"data: " + b"x" * 600 + b"\ndata: " + "\U0001f600".encode() + b"\n\n", True),
+    "ascii-then-cjk": (b"data: " + b"x" * 600 + "\u4e2d".encode() + b"\n\n", True),
+    "latin-1-at-one-byte-each": (b"data: " + "\u00e9".encode() * 450 + b"\n\n", False),
+    "cjk-within-the-limit": (b"data: " + "\u4e2d".encode() * 300 + b"\n\n", False),
+}
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "bytewise"])
+@pytest.mark.parametrize("name", list(WIDE))
+def test_the_data_limit_counts_bytes_in_memory(name: str, whole: bool) -> None:
+    raw, over = WIDE[name]
+    parser = SSEParser(limit=1000)
+    events = parser.feed(raw) if whole else [event for i in range(len(raw)) for event in parser.feed(raw[i : i + 1])]
+    text = raw.decode().replace("data: ", "").rstrip("\n")
+    assert events == [SSEEvent(data="", oversized=True) if over else SSEEvent(data=text)]
+    assert parser.at_boundary
+
+
+def test_a_wide_event_name_over_the_limit_in_memory_is_dropped() -> None:
+    parser = SSEParser(limit=1000)
+    name = "n" * 300 + "\U0001f600"  # 304 bytes on the wire, 1204 in memory
+    assert parser.feed(f"event: {name}\ndata: x\n\n".encode()) == [SSEEvent(data="x")]
+    assert parser.feed(f"event: {name[:200]}\ndata: y\n\n".encode()) == [SSEEvent(data="y", event="n" * 200)]
+
+
 @pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
 def test_oversized_comment_and_other_fields_are_dropped_not_dispatched(ending: bytes) -> None:
     parser = SSEParser(limit=50)
