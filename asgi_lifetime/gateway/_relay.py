@@ -209,6 +209,9 @@ class _Relay:
         self.fresh = False
         self.passthrough = False  # the client is inside an event too large to hold
         self.event_ids = False  # the client was sent an ``id`` field: keep-alives without a blank line
+        self.cr_last = False  # the last byte sent is an upstream's \r (its \n may still come)
+        # A keep-alive followed that \r: the upstream's \n right after it is not sent (see _on_chunk).
+        self.lf_dropped = False
         self.withheld: list[bytes] = []  # whole events held back after a starving terminal
         self.withheld_size = 0
         self.delivered = False  # the client has received (part of) an upstream event
@@ -284,15 +287,16 @@ class _Relay:
             # sent, so the client is between events unless one is streaming through.
             if self.waiting and not self.passthrough:
                 self.event_ids = self.event_ids or self._holds_id()
+                self.lf_dropped = self.lf_dropped or self.cr_last
                 await self._send_body(KEEPALIVE_LINE if self.event_ids else KEEPALIVE)
                 return True
         return False
 
     def _holds_id(self) -> bool:
         """The response being relayed has carried an ``id`` field (the client's parser keeps it, even
-        across a re-issued response)."""
+        across a re-issued response, and even one too large for the guard's parser)."""
         tracker = self.tracker
-        return tracker is not None and tracker.parser.last_event_id is not None
+        return tracker is not None and tracker.parser.carried_id
 
     # -- relaying -------------------------------------------------------------------------------
 
@@ -474,6 +478,16 @@ class _Relay:
         if tracker is None:
             await self._send_body(chunk)
             return
+        if self.lf_dropped:
+            self.lf_dropped = False
+            if chunk[:1] == b"\n":
+                # The second half of a CRLF split from its \r by a keep-alive: the client's line ended
+                # at the \r, and after the keep-alive's line this \n would be an empty line of its own
+                # (an empty event for an SDK that holds a last event id). Parsed, not sent.
+                tracker.feed(b"\n")
+                chunk = chunk[1:]
+                if not chunk:
+                    return
         completed = tracker.feed(chunk)
         cut = tracker.parser.boundary  # chunk[:cut] ends a whole event; -1: it ends none
         if self.passthrough:
@@ -571,6 +585,8 @@ class _Relay:
             self.status = start["status"]
             await self._send(start)
         self.ended = not more_body
+        if body:
+            self.cr_last = body[-1] == 0x0D
         await self._send({"type": "http.response.body", "body": body, "more_body": more_body})
         self.bytes_out += len(body)
         self.last_sent = time.monotonic()
