@@ -286,17 +286,18 @@ class _Relay:
             # Checked under the lock: the main task sends under it too. Only whole events were
             # sent, so the client is between events unless one is streaming through.
             if self.waiting and not self.passthrough:
-                self.event_ids = self.event_ids or self._holds_id()
                 self.lf_dropped = self.lf_dropped or self.cr_last
-                await self._send_body(KEEPALIVE_LINE if self.event_ids else KEEPALIVE)
+                await self._send_body(KEEPALIVE_LINE if self._holds_id() else KEEPALIVE)
                 return True
         return False
 
     def _holds_id(self) -> bool:
-        """The response being relayed has carried an ``id`` field (the client's parser keeps it, even
-        across a re-issued response, and even one too large for the guard's parser)."""
-        tracker = self.tracker
-        return tracker is not None and tracker.parser.carried_id
+        """The client was sent an ``id`` field: its parser keeps it, even across a re-issued response,
+        and even one too large for the guard's parser. Once true, stays true."""
+        if not self.event_ids:
+            tracker = self.tracker
+            self.event_ids = tracker is not None and tracker.parser.carried_id
+        return self.event_ids
 
     # -- relaying -------------------------------------------------------------------------------
 
@@ -313,7 +314,7 @@ class _Relay:
             lengths = [value for name, value in headers if name == b"content-length"]
             self.declared = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
             self.start = {"type": "http.response.start", "status": response.status_code, "headers": headers}
-        self.event_ids = self.event_ids or self._holds_id()
+        self._holds_id()  # noted before the response that carried it is replaced
         self.tracker = SSETracker() if self.inband else None
         self.fresh = self.inband
         self.guarded = self.hold_ok = self.inband and 200 <= response.status_code < 300

@@ -173,8 +173,8 @@ class SSEParser:
 
         Bytes sent up to here are whole events, and a comment or an event injected here is
         parsed by a client as itself. (After a final ``\\r`` the upstream's ``\\n`` may still
-        follow: a client that got an injected line in between reads it as an empty line, which
-        dispatches nothing.)
+        follow: after an injected line a client would read it as an empty line of its own, so the
+        relay parses it but does not send it.)
         """
         return not self._line_size and not self._fields
 

@@ -72,6 +72,18 @@ def gateway(upstream_url: str, server: str, **changes: Any) -> Iterator[tuple[st
             yield f"http://127.0.0.1:{port}", app
 
 
+def openai_chat(url: str, **http_options: Any) -> tuple[str, list[Any]]:
+    """A streamed chat completion through the gateway at ``url`` with the openai SDK (``http_options``
+    go to its httpx client): the answer's text and the chunks it came in."""
+    with (
+        openai.DefaultHttpxClient(timeout=SDK_TIMEOUT, **http_options) as http,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0, http_client=http) as client,
+    ):
+        stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        parts = list(stream)
+    return "".join(part.choices[0].delta.content or "" for part in parts if part.choices), parts
+
+
 def events(body: bytes) -> list[SSEEvent]:
     """The events a spec-following client without a size limit parses from ``body`` (a BOM is one only
     at the very start). Of the upstream's bytes, sent in one piece: the events it sent."""
@@ -177,17 +189,8 @@ def test_the_openai_sdk_reads_the_whole_answer_after_keepalives_and_a_bom(server
         gateway(upstream.url, server, keepalive_interval=0.05, stall_timeout=10.0) as (url, app),
     ):
         # The gateway sends its head with the first keep-alive: the upstream is released then.
-        hooks = {"response": [lambda response: go.set()]}
-        with (
-            openai.DefaultHttpxClient(timeout=SDK_TIMEOUT, event_hooks=hooks) as http,
-            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0, http_client=http) as client,
-        ):
-            stream = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
-            )
-            parts = list(stream)
+        text, parts = openai_chat(url, event_hooks={"response": [lambda response: go.set()]})
         anyio.run(assert_idle, app, url)
-    text = "".join(part.choices[0].delta.content or "" for part in parts if part.choices)
     assert text == "Hello"
     assert parts[0].choices[0].delta.role == "assistant"
     assert len(upstream.requests) == 1
@@ -306,16 +309,8 @@ def test_the_openai_sdk_reads_a_stream_with_ids_through_keepalives(server: str) 
         raw_upstream(_scripted(SSE_HEAD, chunk(b"id: 1\n" + CHAT_FIRST), _after(go, rest))) as upstream,
         gateway(upstream.url, server, keepalive_interval=0.05, stall_timeout=10.0) as (url, app),
     ):
-        with (
-            openai.DefaultHttpxClient(timeout=SDK_TIMEOUT, transport=_Watching(seen)) as http,
-            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0, http_client=http) as client,
-        ):
-            stream = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
-            )
-            parts = list(stream)
+        text, _ = openai_chat(url, transport=_Watching(seen))
         anyio.run(assert_idle, app, url)
-    text = "".join(part.choices[0].delta.content or "" for part in parts if part.choices)
     assert text == "Hello"
     # The keep-alives were comment lines only, and the client's events are the upstream's.
     assert b": keep-alive\n\n" not in got[0] and b": keep-alive\n" in got[0]

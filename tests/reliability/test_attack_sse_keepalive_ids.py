@@ -15,14 +15,12 @@ from __future__ import annotations
 import threading
 
 import anyio
-import openai
 import pytest
 from openai._streaming import SSEDecoder
 
 from asgi_lifetime.gateway._sse import SSEParser, _width
 
 from ..gateway._raw_upstream import raw_upstream
-from ..gateway.test_sdk import SDK_TIMEOUT
 from .test_attack_sse_fast_path import (
     CHAT_END,
     CHAT_FIRST,
@@ -35,6 +33,7 @@ from .test_attack_sse_fast_path import (
     _scripted,
     _Watching,
     gateway,
+    openai_chat,
 )
 from .test_attack_upstream import SSE_HEAD, chunk
 from .test_faults import assert_idle
@@ -92,16 +91,8 @@ def test_the_openai_sdk_reads_a_crlf_stream_with_ids_through_a_keepalive_after_a
         raw_upstream(_scripted(SSE_HEAD, chunk(FIRST[:-1]), _after(go, REST))) as upstream,
         gateway(upstream.url, server, keepalive_interval=0.05, stall_timeout=10.0) as (url, app),
     ):
-        with (
-            openai.DefaultHttpxClient(timeout=SDK_TIMEOUT, transport=_Watching(seen)) as http,
-            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0, http_client=http) as client,
-        ):
-            stream = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
-            )
-            parts = list(stream)
+        text, _ = openai_chat(url, transport=_Watching(seen))
         anyio.run(assert_idle, app, url)
-    text = "".join(part.choices[0].delta.content or "" for part in parts if part.choices)
     assert text == "Hello"
     assert len(upstream.requests) == 1
 
