@@ -66,6 +66,7 @@ GATEWAY = [
     "RemapRole",
     "SessionBook",
     "SessionEntry",
+    "Spliced",
     "UpstreamClient",
     "create_app",
     "default_refold",

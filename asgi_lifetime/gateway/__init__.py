@@ -21,7 +21,7 @@ try:
     from ._auth import GatewayAuth
     from ._bookkeeping import Bookkeeper, Outcome, SessionBook, SessionEntry
     from ._metrics import GatewayMetrics
-    from ._prepare import ConversationView, Draft, Prepared, Preparer, without_parse
+    from ._prepare import ConversationView, Draft, Prepared, Preparer, Spliced, without_parse
     from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
     from ._session_store import RedisSessionBook
     from ._upstream import AttemptEvent, UpstreamClient
@@ -52,6 +52,7 @@ __all__ = [
     "RemapRole",
     "SessionBook",
     "SessionEntry",
+    "Spliced",
     "UpstreamClient",
     "create_app",
     "default_refold",

@@ -33,9 +33,9 @@ from .._parse import too_costly
 from .._resources import RequestResources
 from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
-from ._spill import SpilledBody  # at run time: typing.get_type_hints resolves Prepared.spill_to's hints
+from ._spill import SLICE, SpilledBody  # at run time: typing.get_type_hints resolves Prepared.spill_to's hints
 
-__all__ = ["ConversationView", "Draft", "Prepared", "Preparer", "prepare", "without_parse"]
+__all__ = ["ConversationView", "Draft", "Prepared", "Preparer", "Spliced", "prepare", "without_parse"]
 
 _INSIDE: Final = re.compile(rb"[ \t\n\r]*")
 """The whitespace after an array's ``[``: if it reaches the ``]``, the array is empty."""
@@ -201,12 +201,66 @@ def without_parse(preparer: P) -> P:
     return preparer
 
 
+class Spliced:
+    """An outbound body made of the received one and the items a preparer added, without copying the
+    received bytes: ``parts``, in order, are views into them and the serialized additions.
+
+    Sent (and written to disk) part by part; ``bytes(spliced)`` joins them, for the rare reader that
+    needs one piece (a refold parses the body). Compares equal to the bytes it stands for.
+    """
+
+    __slots__ = ("parts", "_size")
+
+    def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
+        self.parts: tuple[bytes | memoryview, ...] = tuple(parts)
+        self._size = sum(len(part) for part in self.parts)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Spliced):
+            other = bytes(other)
+        if not isinstance(other, bytes | bytearray | memoryview):
+            return NotImplemented
+        view = memoryview(other).cast("B")
+        if len(view) != self._size:
+            return False
+        start = 0
+        for part in self.parts:
+            if view[start : start + len(part)] != part:
+                return False
+            start += len(part)
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # equal to bytes, which hash differently
+
+    def read(self, offset: int, size: int) -> bytes:
+        """``size`` bytes from ``offset`` (fewer at the end), as one new bytes object."""
+        pieces: list[bytes | memoryview] = []
+        start = 0
+        end = offset + size
+        for part in self.parts:
+            stop = start + len(part)
+            if stop > offset and start < end:
+                pieces.append(memoryview(part)[max(offset - start, 0) : min(end, stop) - start])
+            start = stop
+        return b"".join(pieces)
+
+    def __repr__(self) -> str:
+        return f"<Spliced {self._size} bytes in {len(self.parts)} parts>"
+
+
 class Prepared:
     """A request's outbound state: the holder the forward stage reads from, cleared at release points.
 
     ``refold`` and ``remap_role`` build a new body from the current one on a rejection (the
     default ones re-parse ``body``; custom factories' closures may hold the parse);
-    ``settle()`` drops them (and, unless the outbound body is retained, the body). A retained
+    ``settle()`` drops them (and, unless the outbound body is retained, the body). ``body`` is
+    bytes, or a ``Spliced`` body (the received bytes with added items, not copied). A retained
     body may then move to disk (``spill_to``, ``RETAIN_OUTBOUND=disk``): ``body`` is None and
     ``spilled`` holds it; ``has_body`` and ``body_size`` answer for either place.
     """
@@ -219,7 +273,7 @@ class Prepared:
         method: str,
         path: str,
         headers: list[tuple[str, str]],
-        body: bytes | None,
+        body: bytes | Spliced | None,
         refold: Refold | None = None,
         remap_role: RemapRole | None = None,
     ) -> None:
@@ -389,7 +443,7 @@ async def prepare(
 
 
 def _unchanged(
-    body: bytes, conversation: str | None, *, method: str, path: str, headers: Sequence[tuple[str, str]]
+    body: bytes | Spliced, conversation: str | None, *, method: str, path: str, headers: Sequence[tuple[str, str]]
 ) -> Prepared:
     """The ``Prepared`` of a body nobody parsed: refold and role remap work from the outbound body."""
     prepared = Prepared(method=method, path=path, headers=list(headers), body=body)
@@ -398,7 +452,9 @@ def _unchanged(
     return prepared
 
 
-async def _forwarded_unparsed(raw: bytes, deferred: DeferredParse, first: list[Any], last: list[Any]) -> bytes | None:
+async def _forwarded_unparsed(
+    raw: bytes, deferred: DeferredParse, first: list[Any], last: list[Any]
+) -> bytes | Spliced | None:
     """The body to forward without its parse: as received, or with ``first`` and ``last`` spliced into
     its conversation; None when where to splice cannot be told without the parse."""
     if not (first or last):
@@ -418,8 +474,12 @@ async def _parsed_with(deferred: DeferredParse, raw: bytes, first: list[Any], la
     return parsed
 
 
-def _splice(raw: bytes, span: tuple[int, int], first: list[Any], last: list[Any]) -> bytes:
-    """``raw`` with ``first`` and ``last`` serialized into the array at ``raw[span[0]:span[1]]``, in one copy."""
+def _splice(raw: bytes, span: tuple[int, int], first: list[Any], last: list[Any]) -> bytes | Spliced:
+    """``raw`` with ``first`` and ``last`` serialized into the array at ``raw[span[0]:span[1]]``.
+
+    Not copied: a ``Spliced`` body of views into ``raw`` (a copy of a 64 MiB body cost as much time
+    as reading it, and held it twice). A body that is sent in one slice anyway is joined.
+    """
     start, end = span
     view = memoryview(raw)
     middle: list[bytes | memoryview] = [_json.dumps(item) for item in first]
@@ -434,7 +494,8 @@ def _splice(raw: bytes, span: tuple[int, int], first: list[Any], last: list[Any]
         parts.append(piece)
     parts.append(view[end - 1 :])
     del middle, view
-    return b"".join(parts)
+    spliced = Spliced(parts)
+    return bytes(spliced) if len(spliced) <= SLICE else spliced
 
 
 def _from_outbound(prepared: Prepared) -> tuple[Refold, RemapRole]:
@@ -450,6 +511,8 @@ def _from_outbound(prepared: Prepared) -> tuple[Refold, RemapRole]:
     def current() -> Any:
         owner = holder()
         body = owner.body if owner is not None else None
+        if isinstance(body, Spliced):
+            body = bytes(body)  # the parse needs one piece; gone again when this call returns
         if body is None or too_costly(body):
             # A body nobody parsed (the lazy look bounds its own walk, not the parse: nesting in
             # every message parses to 40x) is not parsed here either: the rejection goes to the client.

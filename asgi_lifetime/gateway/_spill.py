@@ -33,7 +33,7 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final, TypeVar
 
 import anyio
@@ -211,7 +211,7 @@ async def spill(
         return False
     size = len(body)
     try:
-        written = await _write(file, memoryview(body), counters, directory)
+        written = await _write(file, (body,) if isinstance(body, bytes) else body.parts, counters, directory)
     except BaseException:
         closing.release_now()  # cancelled: the request is ending, its half-written file goes now
         raise
@@ -231,18 +231,23 @@ async def spill(
     return True
 
 
-async def _write(file: SpillFile, view: memoryview, counters: Counters, directory: str | None) -> bool:
-    """Write ``view`` to ``file`` a slice at a time, each in a worker thread; whether all of it was written."""
-    try:
-        for offset in range(0, len(view), SLICE):
-            await anyio.to_thread.run_sync(file.write, view[offset : offset + SLICE])
-    except SpillClosed:  # the request settled meanwhile
-        return False
-    except Exception as exc:
-        _failed(counters, directory, exc)
-        return False
-    finally:
-        view.release()  # no export left on the body, so the holder's release frees it
+async def _write(
+    file: SpillFile, parts: Sequence[bytes | memoryview], counters: Counters, directory: str | None
+) -> bool:
+    """Write ``parts`` (the body, or a spliced body's parts) to ``file`` a slice at a time, each in a
+    worker thread; whether all of it was written."""
+    for part in parts:
+        view = memoryview(part)
+        try:
+            for offset in range(0, len(view), SLICE):
+                await anyio.to_thread.run_sync(file.write, view[offset : offset + SLICE])
+        except SpillClosed:  # the request settled meanwhile
+            return False
+        except Exception as exc:
+            _failed(counters, directory, exc)
+            return False
+        finally:
+            view.release()  # no export of ours left on the body, so the holder's release frees it
     return True
 
 

@@ -36,7 +36,7 @@ from .._stats import Counters
 from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber
 from ._error_body import ErrorBody, read_error_body, replay
 from ._pool import UpstreamPool
-from ._prepare import Prepared
+from ._prepare import Prepared, Spliced
 from ._refold import match_overflow, match_rejected_role
 from ._retry import Retry, asked_wait, resend_safe, says_no_retry
 from ._spill import SLICE, SpilledBody
@@ -97,7 +97,7 @@ class _BodyIterator:
 
     def __init__(self, holder: Prepared, stream: _BodyStream) -> None:
         self._holder = holder
-        self._body: bytes | None = None
+        self._body: bytes | Spliced | None = None
         self._spilled: SpilledBody | None = None
         self._offset = 0
         self._stream = stream
@@ -116,10 +116,13 @@ class _BodyIterator:
             self._body = None
             self._stream.sent = True
             raise StopAsyncIteration
-        if self._offset == 0 and len(body) <= _SEND_SLICE:
+        if isinstance(body, Spliced):
+            piece = body.read(self._offset, _SEND_SLICE)
+        elif self._offset == 0 and len(body) <= _SEND_SLICE:
             self._offset = len(body)
             return body  # small bodies: no copy
-        piece = body[self._offset : self._offset + _SEND_SLICE]
+        else:
+            piece = body[self._offset : self._offset + _SEND_SLICE]
         self._offset += len(piece)
         return piece
 

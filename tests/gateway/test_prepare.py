@@ -78,7 +78,7 @@ async def test_in_place_change_needs_mark_changed() -> None:
 
     assert (await run([forgetful])).body is RAW
     changed = await run([careful])
-    assert changed.body is not None and json.loads(changed.body)["model"] == "other"
+    assert changed.body is not None and json.loads(bytes(changed.body))["model"] == "other"
 
 
 async def test_async_preparers_run_in_order() -> None:
@@ -96,7 +96,7 @@ async def test_async_preparers_run_in_order() -> None:
 
     prepared = await run([first, second])
     assert order == ["first", "second"]
-    assert prepared.body is not None and json.loads(prepared.body)["messages"][0]["content"] == "be brief"
+    assert prepared.body is not None and json.loads(bytes(prepared.body))["messages"][0]["content"] == "be brief"
 
 
 async def test_preparer_headers_are_added_and_replace_same_name() -> None:
@@ -168,7 +168,7 @@ async def test_no_parse_outlives_prepare_and_the_closures_work_from_the_outbound
     assert first_graph() is None  # replaced by the preparer and held by nobody
     assert replaced[0]() is None  # serialized and dropped: the closures do not need the graph
     assert prepared.body is not None
-    assert json.loads(prepared.body)["messages"][1]["content"].startswith("rewritten")
+    assert json.loads(bytes(prepared.body))["messages"][1]["content"].startswith("rewritten")
     assert prepared.refold is not None and prepared.remap_role is not None
     # The closures re-parse the current outbound body and keep nothing: no cell holds a parse.
     for closure in (prepared.refold, prepared.remap_role):
@@ -326,13 +326,13 @@ async def test_a_without_parse_preparer_splices_into_the_received_bytes(
         *doc["messages"],
         {"role": "user", "content": "last"},
     ]
-    assert json.loads(prepared.body) == expected
+    assert json.loads(bytes(prepared.body)) == expected
     if spelling in ("spaced", "escaped"):
         assert parses == [raw]
     else:
         assert parses == []
         at = raw.rindex(b'"messages":') + len(b'"messages":[')
-        assert prepared.body.startswith(raw[:at])  # the rest as received, not re-serialized
+        assert bytes(prepared.body).startswith(raw[:at])  # the rest as received, not re-serialized
     assert ("x-injected", "1") in prepared.headers
 
 
@@ -357,7 +357,7 @@ async def test_a_preparer_that_reads_the_body_gets_the_parse_on_demand(monkeypat
     prepared = await run([inject, route], raw=LARGE, parsed=deferred(LARGE, charged))
     assert parses == [LARGE] and charged and charged[-1] > len(LARGE)  # the parse was charged
     assert prepared.body is not None
-    body = json.loads(prepared.body)
+    body = json.loads(bytes(prepared.body))
     assert body["model"] == "other" and body["messages"][0]["content"] == "policy"
     assert len(body["messages"]) == 41
 
@@ -380,7 +380,7 @@ async def test_the_conversation_view_of_a_parsed_body_changes_the_parse() -> Non
 
     prepared = await run([inject])
     assert prepared.body is not None
-    assert json.loads(prepared.body)["messages"] == [
+    assert json.loads(bytes(prepared.body))["messages"] == [
         {"role": "system", "content": "policy"},
         {"role": "user", "content": "hi"},
     ]

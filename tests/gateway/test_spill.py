@@ -15,8 +15,9 @@ Checked here:
   identical bytes (the upstream records both attempts' bodies), no file name ever appears in
   RETAIN_DIR, and every spill file is closed on success, upstream error, client disconnect and
   cancellation; below the threshold, with ``memory`` and with ``off`` nothing goes to disk;
-- the gateway under uvicorn on real sockets: the same re-issue from disk, for an unchanged and a
-  changed body; a RETAIN_DIR that does not exist degrades to memory; a file that fails while the
+- the gateway under uvicorn on real sockets: the same re-issue from disk, for an unchanged body, a
+  changed (re-serialized) one and one with a message spliced in (written part by part, not joined);
+  a RETAIN_DIR that does not exist degrades to memory; a file that fails while the
   re-issue reads it back ends the stream with ``upstream_starved``, never a crash.
 """
 
@@ -44,7 +45,7 @@ from asgi_lifetime import LifetimeSettings, MiB
 from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway import _spill, create_app
-from asgi_lifetime.gateway._prepare import Draft, Prepared
+from asgi_lifetime.gateway._prepare import Draft, Prepared, Preparer, without_parse
 from asgi_lifetime.gateway._spill import SLICE, SpillClosed, SpilledBody, SpillFile, spill
 from asgi_lifetime.testing._serve import serve_in_thread
 
@@ -411,13 +412,34 @@ def rename_model(draft: Draft) -> None:
     draft.mark_changed()
 
 
+@without_parse
+def insert_system(draft: Draft) -> None:
+    assert draft.conversation is not None
+    draft.conversation.prepend({"role": "system", "content": "spliced"})
+
+
+# The outbound body: as received, re-serialized from the parse, or a ``Spliced`` body (views of the received bytes).
+PREPARERS: dict[str, list[Preparer]] = {"unchanged": [], "changed": [rename_model], "spliced": [insert_system]}
+
+
+def assert_sent_as(change: str, body: bytes) -> None:
+    """``body`` is what the upstream should get for ``BODY`` after the ``change`` preparer."""
+    doc = json.loads(BODY)
+    if change == "changed":
+        doc["model"] = "routed"
+    elif change == "spliced":
+        doc["messages"].insert(0, {"role": "system", "content": "spliced"})
+    assert json.loads(body) == doc
+    assert (body == BODY) == (change == "unchanged")
+
+
 async def until(condition: Callable[[], bool]) -> None:
     await eventually(condition, seconds=WAIT)
 
 
 @contextlib.asynccontextmanager
 async def in_process(
-    upstream: httpx.AsyncBaseTransport, tmp_path: Path, *, changed: bool = False, **changes: Any
+    upstream: httpx.AsyncBaseTransport, tmp_path: Path, *, change: str = "unchanged", **changes: Any
 ) -> Any:
     settings = LifetimeSettings(
         upstream_url=("http://upstream.test",),
@@ -426,7 +448,7 @@ async def in_process(
         keepalive_interval=WAIT,
         **changes,
     )
-    app = create_app(settings, transport=upstream, preparers=[rename_model] if changed else [])
+    app = create_app(settings, transport=upstream, preparers=PREPARERS[change])
     try:
         yield app
     finally:
@@ -442,9 +464,9 @@ async def requesting(app: Any, client: Connection) -> AsyncIterator[TaskGroup]:
             yield tg
 
 
-@pytest.mark.parametrize("changed", [False, True], ids=["unchanged-body", "changed-body"])
+@pytest.mark.parametrize("change", list(PREPARERS))
 async def test_a_starved_stream_is_reissued_from_disk_with_the_identical_bytes(
-    changed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, opened: list[SpillFile]
+    change: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, opened: list[SpillFile]
 ) -> None:
     reads: list[int] = []
     real_read = SpilledBody.read
@@ -457,7 +479,7 @@ async def test_a_starved_stream_is_reissued_from_disk_with_the_identical_bytes(
     gate = anyio.Event()
     upstream = Recording([Answer(gate, b""), Answer(None, ANSWER)])  # the first stream ends with no event
     client = Connection(BODY)
-    async with in_process(upstream, tmp_path, changed=changed) as app:
+    async with in_process(upstream, tmp_path, change=change) as app:
         lifetime = app.state.lifetime
         async with requesting(app, client):
             await until(lambda: lifetime.stats().spilled == 1)
@@ -470,7 +492,7 @@ async def test_a_starved_stream_is_reissued_from_disk_with_the_identical_bytes(
             await client.ended.wait()
             client.hang_up.set()
     assert len(upstream.bodies) == 2 and upstream.bodies[1] == upstream.bodies[0]
-    assert (upstream.bodies[0] == BODY) is not changed
+    assert_sent_as(change, upstream.bodies[0])
     assert reads == list(range(0, outbound, SLICE))  # streamed back from the file, one slice at a time
     assert client.status == 200 and bytes(client.received) == ANSWER
     stats = lifetime.stats()
@@ -588,11 +610,11 @@ def gated_upstream() -> Iterator[tuple[RawUpstream, threading.Event]]:
 
 
 @contextlib.contextmanager
-def served(upstream_url: str, retain_dir: str, *, changed: bool = False) -> Iterator[Stack]:
+def served(upstream_url: str, retain_dir: str, *, change: str = "unchanged") -> Iterator[Stack]:
     settings = LifetimeSettings(
         upstream_url=(upstream_url,), retain_dir=retain_dir, stall_timeout=WAIT, keepalive_interval=WAIT
     )
-    app = create_app(settings, preparers=[rename_model] if changed else [])
+    app = create_app(settings, preparers=PREPARERS[change])
     with serve_in_thread(app) as url:
         yield Stack(app=app, url=url, upstream_url=upstream_url)
 
@@ -612,11 +634,11 @@ async def post_and_release(stack: Stack, gate: threading.Event, condition: Calla
     return response
 
 
-@pytest.mark.parametrize("changed", [False, True], ids=["unchanged-body", "changed-body"])
+@pytest.mark.parametrize("change", list(PREPARERS))
 async def test_socket_reissue_from_disk_sends_the_identical_bytes(
-    changed: bool, tmp_path: Path, opened: list[SpillFile]
+    change: str, tmp_path: Path, opened: list[SpillFile]
 ) -> None:
-    with gated_upstream() as (upstream, gate), served(upstream.url, str(tmp_path), changed=changed) as stack:
+    with gated_upstream() as (upstream, gate), served(upstream.url, str(tmp_path), change=change) as stack:
 
         def on_disk() -> bool:
             stats = stack.stats()
@@ -626,7 +648,8 @@ async def test_socket_reissue_from_disk_sends_the_identical_bytes(
         stats = await assert_idle(stack.app, stack.url)
     assert response.status_code == 200 and response.content == ANSWER
     first, second = (request.body for request in upstream.requests)
-    assert first == second and (first == BODY) is not changed
+    assert first == second
+    assert_sent_as(change, first)
     assert stats["retried"] == 1 and stats["retained_disk_bytes"] == 0
     assert len(opened) == 1 and opened[0].closed
 

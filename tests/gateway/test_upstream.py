@@ -720,7 +720,7 @@ async def release_case(retain: bool) -> tuple[Prepared, httpx.Response, bytes, l
     assert prepared.refold is not None
     graph.append(weakref.ref(prepared.refold))
     body = prepared.body
-    assert body is not None
+    assert isinstance(body, bytes)  # re-serialized: a small parse, not a splice
     transport = StreamingTransport()
     upstream = UpstreamClient(settings=make_settings(retain_outbound=retain), base_url=BASE, transport=transport)
     response = await upstream.forward(prepared, on_retries_settled=lambda: None)
@@ -842,7 +842,7 @@ async def test_over_a_real_loopback_connection() -> None:
             await stream.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello")
 
     prepared = await chat(conversation())
-    prepared.body = bytes(bytearray(prepared.body or b""))  # a fresh object only the holder refers to
+    prepared.body = bytes(bytearray(bytes(prepared.body or b"")))  # a fresh object only the holder refers to
     body = prepared.body
     async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, anyio.create_task_group() as tg:
         port = listener.extra(anyio.abc.SocketAttribute.local_port)
