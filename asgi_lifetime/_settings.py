@@ -34,6 +34,7 @@ __all__ = [
     "SettingSpec",
     "SETTINGS",
     "at_least_one",
+    "base_url_problem",
     "check_argument",
     "non_negative",
     "positive",
@@ -150,8 +151,26 @@ def _path_prefixes(value: Any) -> str | None:
 
 
 def _urls(value: Any) -> str | None:
-    bad = [u for u in value if not re.match(r"^https?://[^\s/]+", u)]
-    return f"each upstream must be an http:// or https:// URL ({redact_url(bad[0])!r} is not)" if bad else None
+    for url in value:
+        problem = base_url_problem(url)
+        if problem is not None:
+            return f"each upstream must be an http:// or https:// base URL: {redact_url(url)!r} {problem}"
+    return None
+
+
+def base_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a base URL that request paths are appended to, or None."""
+    if not re.match(r"^https?://[^\s/]+", url) or re.search(r"\s", url):
+        return "is not one"
+    parts = urlsplit(url)
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        # The request path would land in the query (or be dropped): every request misrouted.
+        return "has a query or fragment; a request's path and query are appended to the base URL"
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError:
+        return "has an invalid port"
+    return None if parts.hostname else "has no host"
 
 
 def _header_name(value: Any) -> str | None:
@@ -595,7 +614,9 @@ def _show(spec: SettingSpec, value: Any) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), for output."""
+    """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), and any query or
+    fragment (where keys travel: ``?key=``, ``?password=``) by ``***``, for output."""
+    url = re.sub(r"[?#].*", "?***", url, count=1, flags=re.DOTALL)
     try:
         base, userinfo = _split_url(url)
     except ValueError:
