@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from starlette.config import Config
-
 __all__ = [
     "ENV_PREFIX",
     "GiB",
@@ -38,6 +36,7 @@ __all__ = [
     "check_argument",
     "non_negative",
     "positive",
+    "read_env_file",
     "redact_url",
 ]
 
@@ -551,17 +550,37 @@ def collect_environ(
     """
     env = os.environ if environ is None else environ
     file = env_file if env_file is not None and os.path.isfile(env_file) else None
-    config = Config(file, environ=env, env_prefix=ENV_PREFIX)
-    for key in [*env, *config.file_values]:
+    file_values = read_env_file(file) if file is not None else {}
+    for key in [*env, *file_values]:
         if key.startswith(ENV_PREFIX):
             _spec_for(key)
     found: dict[str, tuple[str, str]] = {}
     for name, spec in SETTINGS.items():
-        raw = config(name.upper(), default=None)
-        if raw is not None:
-            source = "environment" if spec.env in env else f"env file {file}"
-            found[name] = (raw, source)
+        if spec.env in env:
+            found[name] = (env[spec.env], "environment")
+        elif spec.env in file_values:
+            found[name] = (file_values[spec.env], f"env file {file}")
     return found
+
+
+_ENV_LINE = re.compile(r"\s*(?:export\s+)?([^=\s]+)\s*=\s*(.*?)\s*")
+_QUOTED = re.compile(r"""(["'])(.*?)\1(?:\s+#.*)?""", re.DOTALL)
+
+
+def read_env_file(path: str | Path) -> dict[str, str]:
+    """``NAME=value`` lines of an env file, read as shells and docker compose read them: an ``export``
+    before the name, a value in matching quotes (taken as it is), a comment after an unquoted value
+    (`` # ...``, whitespace before the ``#``). Blank lines and ``#`` lines are skipped; later lines win."""
+    values: dict[str, str] = {}
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            match = _ENV_LINE.fullmatch(line)
+            if match is None or match[1].startswith("#"):
+                continue
+            name, value = match[1], match[2]
+            quoted = _QUOTED.fullmatch(value)
+            values[name] = quoted[2] if quoted else re.sub(r"\s+#.*", "", value)
+    return values
 
 
 def _spec_for(key: str) -> SettingSpec:

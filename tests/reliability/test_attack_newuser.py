@@ -8,9 +8,14 @@ Found here:
   root (404), and the query, key included, was printed by ``settings``, the startup line and
   ``/lifetime/stats``. A port out of range or whitespace in the host was accepted too, and failed only at
   the first request.
+- a ``.env`` line as shells and docker compose write it was not applied as written: ``export NAME=value``
+  was silently ignored (the setting kept its default: no typo check saw it), and an inline comment
+  (``NAME=sk-... # prod key``) became part of the value: a wrong upstream key, every request a 401.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +68,36 @@ def test_the_upstream_client_refuses_a_base_url_with_a_query_without_showing_it(
     with pytest.raises(ValueError, match="has a query") as info:
         UpstreamClient(settings=LifetimeSettings(), base_url=f"https://u:pw@api.example.com/?key={SECRET}")
     assert SECRET not in str(info.value) and "pw" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "name", "expected"),
+    [
+        ("export ASGI_LIFETIME_STALL_TIMEOUT=9", "stall_timeout", 9.0),
+        ("export  ASGI_LIFETIME_STALL_TIMEOUT = 9", "stall_timeout", 9.0),
+        ("ASGI_LIFETIME_UPSTREAM_API_KEY=sk-live # the production key", "upstream_api_key", "sk-live"),
+        ('ASGI_LIFETIME_UPSTREAM_API_KEY="sk-live" # quoted, then a comment', "upstream_api_key", "sk-live"),
+        ("ASGI_LIFETIME_UPSTREAM_API_KEY='sk-live'", "upstream_api_key", "sk-live"),
+        ('ASGI_LIFETIME_UPSTREAM_API_KEY="sk-#live"', "upstream_api_key", "sk-#live"),  # quoted: kept
+        ("ASGI_LIFETIME_UPSTREAM_API_KEY=sk-#live", "upstream_api_key", "sk-#live"),  # no space before #
+        ("ASGI_LIFETIME_MAX_INFLIGHT=8\t# slots", "max_inflight", 8),
+        ("ASGI_LIFETIME_SESSION_HEADER=x-conv-id", "session_header", "x-conv-id"),
+    ],
+)
+def test_an_env_file_line_is_applied_as_shells_and_compose_read_it(
+    tmp_path: Path, line: str, name: str, expected: object
+) -> None:
+    # Before: the export line was ignored (the default stayed), the comment was part of the key.
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"# gateway\n{line}\nASGI_LIFETIME_GATEWAY_KEYS=client-key\n")
+    settings = LifetimeSettings.from_environ(environ={}, env_file=env_file)
+    assert getattr(settings, name) == expected
+    assert settings.gateway_keys == ("client-key",)
+
+
+def test_a_misspelt_exported_name_in_an_env_file_is_an_error(tmp_path: Path) -> None:
+    # Before: ``export`` hid the name from the unknown-setting check, as well as from the settings.
+    env_file = tmp_path / ".env"
+    env_file.write_text("export ASGI_LIFETIME_STAL_TIMEOUT=9\n")
+    with pytest.raises(ValueError, match="'ASGI_LIFETIME_STAL_TIMEOUT'.*known settings"):
+        LifetimeSettings.from_environ(environ={}, env_file=env_file)
