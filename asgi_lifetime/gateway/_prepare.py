@@ -208,10 +208,22 @@ class Prepared:
     default ones re-parse ``body``; custom factories' closures may hold the parse);
     ``settle()`` drops them (and, unless the outbound body is retained, the body). A retained
     body may then move to disk (``spill_to``, ``RETAIN_OUTBOUND=disk``): ``body`` is None and
-    ``spilled`` holds it; ``has_body`` and ``body_size`` answer for either place.
+    ``spilled`` holds it; ``has_body`` and ``body_size`` answer for either place. ``attempts``
+    counts the times it was sent upstream (retries and a re-issue included), for bookkeeping.
     """
 
-    __slots__ = ("method", "path", "headers", "body", "spilled", "refold", "remap_role", "_settled", "__weakref__")
+    __slots__ = (
+        "method",
+        "path",
+        "headers",
+        "body",
+        "spilled",
+        "refold",
+        "remap_role",
+        "attempts",
+        "_settled",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -230,6 +242,7 @@ class Prepared:
         self.spilled: SpilledBody | None = None
         self.refold = refold
         self.remap_role = remap_role
+        self.attempts = 0
         self._settled = False
 
     @property

@@ -558,6 +558,7 @@ class UpstreamClient:
     async def _send(self, prepared: Prepared, base: str) -> httpx.Response | _Failure:
         """One attempt up to the response headers."""
         request = self._build(prepared, base)
+        prepared.attempts += 1
         release = self._pool.acquire(base)
         try:
             with anyio.fail_after(self._settings.headers_timeout):
