@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from starlette.config import Config
-
 __all__ = [
     "ENV_PREFIX",
     "GiB",
@@ -34,9 +32,11 @@ __all__ = [
     "SettingSpec",
     "SETTINGS",
     "at_least_one",
+    "base_url_problem",
     "check_argument",
     "non_negative",
     "positive",
+    "read_env_file",
     "redact_url",
 ]
 
@@ -150,8 +150,26 @@ def _path_prefixes(value: Any) -> str | None:
 
 
 def _urls(value: Any) -> str | None:
-    bad = [u for u in value if not re.match(r"^https?://[^\s/]+", u)]
-    return f"each upstream must be an http:// or https:// URL ({redact_url(bad[0])!r} is not)" if bad else None
+    for url in value:
+        problem = base_url_problem(url)
+        if problem is not None:
+            return f"each upstream must be an http:// or https:// base URL: {redact_url(url)!r} {problem}"
+    return None
+
+
+def base_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a base URL that request paths are appended to, or None."""
+    if not re.match(r"^https?://[^\s/]+", url) or re.search(r"\s", url):
+        return "is not one"
+    parts = urlsplit(url)
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        # The request path would land in the query (or be dropped): every request misrouted.
+        return "has a query or fragment; a request's path and query are appended to the base URL"
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError:
+        return "has an invalid port"
+    return None if parts.hostname else "has no host"
 
 
 def _header_name(value: Any) -> str | None:
@@ -532,17 +550,37 @@ def collect_environ(
     """
     env = os.environ if environ is None else environ
     file = env_file if env_file is not None and os.path.isfile(env_file) else None
-    config = Config(file, environ=env, env_prefix=ENV_PREFIX)
-    for key in [*env, *config.file_values]:
+    file_values = read_env_file(file) if file is not None else {}
+    for key in [*env, *file_values]:
         if key.startswith(ENV_PREFIX):
             _spec_for(key)
     found: dict[str, tuple[str, str]] = {}
     for name, spec in SETTINGS.items():
-        raw = config(name.upper(), default=None)
-        if raw is not None:
-            source = "environment" if spec.env in env else f"env file {file}"
-            found[name] = (raw, source)
+        if spec.env in env:
+            found[name] = (env[spec.env], "environment")
+        elif spec.env in file_values:
+            found[name] = (file_values[spec.env], f"env file {file}")
     return found
+
+
+_ENV_LINE = re.compile(r"\s*(?:export\s+)?([^=\s]+)\s*=\s*(.*?)\s*")
+_QUOTED = re.compile(r"""(["'])(.*?)\1(?:\s+#.*)?""", re.DOTALL)
+
+
+def read_env_file(path: str | Path) -> dict[str, str]:
+    """``NAME=value`` lines of an env file, read as shells and docker compose read them: an ``export``
+    before the name, a value in matching quotes (taken as it is), a comment after an unquoted value
+    (`` # ...``, whitespace before the ``#``). Blank lines and ``#`` lines are skipped; later lines win."""
+    values: dict[str, str] = {}
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            match = _ENV_LINE.fullmatch(line)
+            if match is None or match[1].startswith("#"):
+                continue
+            name, value = match[1], match[2]
+            quoted = _QUOTED.fullmatch(value)
+            values[name] = quoted[2] if quoted else re.sub(r"\s+#.*", "", value)
+    return values
 
 
 def _spec_for(key: str) -> SettingSpec:
@@ -595,7 +633,9 @@ def _show(spec: SettingSpec, value: Any) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), for output."""
+    """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), and any query or
+    fragment (where keys travel: ``?key=``, ``?password=``) by ``***``, for output."""
+    url = re.sub(r"[?#].*", "?***", url, count=1, flags=re.DOTALL)
     try:
         base, userinfo = _split_url(url)
     except ValueError:

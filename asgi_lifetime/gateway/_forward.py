@@ -165,16 +165,19 @@ class Forwarder:
     ) -> None:
         """Forward, then relay the answer (``exchange.result``; left None if the client left first)."""
         try:
-            response = await self._forward(prepared, held, watch, session_id)
+            try:
+                response = await self._forward(prepared, held, watch, session_id)
+            finally:
+                held.release()  # already done at settle; here for the paths that never reached it
+            if response is None:
+                return
+            resources: RequestResources = scope["state"]["lifetime"].resources
+            resources.add(response.aclose)  # closed when the request settles, whatever happens below
+            exchange.upstream = response.extensions.get("asgi_lifetime.upstream")
+            exchange.result = await self._relay(scope, watch, send, response, prepared, session_id)
         finally:
-            held.release()  # already done at settle; here for the paths that never reached it
-        if response is None:
-            return
-        resources: RequestResources = scope["state"]["lifetime"].resources
-        resources.add(response.aclose)  # closed when the request settles, whatever happens below
-        exchange.attempts = int(response.extensions.get("asgi_lifetime.attempts", 1))
-        exchange.upstream = response.extensions.get("asgi_lifetime.upstream")
-        exchange.result = await self._relay(scope, watch, send, response, prepared, session_id)
+            # Also when every attempt failed, the client left meanwhile, or a starved stream was re-issued.
+            exchange.attempts = prepared.attempts
 
     async def _relay(
         self,

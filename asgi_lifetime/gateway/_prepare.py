@@ -262,10 +262,22 @@ class Prepared:
     ``settle()`` drops them (and, unless the outbound body is retained, the body). ``body`` is
     bytes, or a ``Spliced`` body (the received bytes with added items, not copied). A retained
     body may then move to disk (``spill_to``, ``RETAIN_OUTBOUND=disk``): ``body`` is None and
-    ``spilled`` holds it; ``has_body`` and ``body_size`` answer for either place.
+    ``spilled`` holds it; ``has_body`` and ``body_size`` answer for either place. ``attempts``
+    counts the times it was sent upstream (retries and a re-issue included), for bookkeeping.
     """
 
-    __slots__ = ("method", "path", "headers", "body", "spilled", "refold", "remap_role", "_settled", "__weakref__")
+    __slots__ = (
+        "method",
+        "path",
+        "headers",
+        "body",
+        "spilled",
+        "refold",
+        "remap_role",
+        "attempts",
+        "_settled",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -284,6 +296,7 @@ class Prepared:
         self.spilled: SpilledBody | None = None
         self.refold = refold
         self.remap_role = remap_role
+        self.attempts = 0
         self._settled = False
 
     @property

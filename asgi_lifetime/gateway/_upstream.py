@@ -31,7 +31,7 @@ import httpx
 
 from .._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from .._middleware import Lifetime
-from .._settings import LifetimeSettings
+from .._settings import LifetimeSettings, base_url_problem, redact_url
 from .._stats import Counters
 from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber
 from ._error_body import ErrorBody, read_error_body, replay
@@ -323,9 +323,13 @@ class UpstreamClient:
             urls = (str(client.base_url),)
         if not urls:
             raise ValueError("no upstream: pass base_url= or set ASGI_LIFETIME_UPSTREAM_URL")
-        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"base_url={bad[0]!r} is invalid: must be an http:// or https:// URL")
+        for url in urls:
+            problem = base_url_problem(url) if isinstance(url, str) else "is not one"
+            if problem is not None:
+                shown = redact_url(url) if isinstance(url, str) else repr(url)
+                raise ValueError(
+                    f"base_url={shown!r} is invalid: must be an http:// or https:// base URL; it {problem}"
+                )
         self._settings = settings
         self._base_urls = urls
         # UPSTREAM_URL's user info, split off the URL so no log or error shows it: sent as
@@ -557,6 +561,7 @@ class UpstreamClient:
     async def _send(self, prepared: Prepared, base: str) -> httpx.Response | _Failure:
         """One attempt up to the response headers."""
         request = self._build(prepared, base)
+        prepared.attempts += 1
         release = self._pool.acquire(base)
         try:
             with anyio.fail_after(self._settings.headers_timeout):

@@ -1,0 +1,177 @@
+"""The gateway tried as a newcomer would, following README.md and docs/operators.md: settings from the
+environment and a ``.env`` file, ``asgi-lifetime serve``, the openai and anthropic SDKs through it.
+
+Found here:
+
+- an ``UPSTREAM_URL`` with a query string (``https://host/?key=...``, where Gemini-style keys travel)
+  was accepted: every request path was appended after the query, so every request went to the upstream's
+  root (404), and the query, key included, was printed by ``settings``, the startup line and
+  ``/lifetime/stats``. A port out of range or whitespace in the host was accepted too, and failed only at
+  the first request.
+- a ``.env`` line as shells and docker compose write it was not applied as written: ``export NAME=value``
+  was silently ignored (the setting kept its default: no typo check saw it), and an inline comment
+  (``NAME=sk-... # prod key``) became part of the value: a wrong upstream key, every request a 401.
+- the access log (and every bookkeeper) said ``attempts=0`` for a request whose attempts all failed
+  (502 ``upstream_unreachable`` after ``MAX_ATTEMPTS`` connects) or whose client left during a retry's
+  wait, and did not count the blind re-issue of a starved stream: ``attempts`` is the upstream attempts.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from asgi_lifetime._settings import LifetimeSettings, redact_url
+from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway._upstream import UpstreamClient
+from asgi_lifetime.testing._serve import serve_in_thread
+
+from .._servers import free_port
+from ..gateway._raw_upstream import RawRequest, Script, raw_upstream
+from .test_attack_upstream import END, FIRST, SSE_HEAD, STREAM_BODY, chunk
+from .test_faults import FAST, PATH, assert_idle
+
+SECRET = "AIzaSECRET-in-the-query"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"http://127.0.0.1:8000/?key={SECRET}",
+        f"https://generativelanguage.googleapis.com/v1beta?key={SECRET}",
+        f"http://127.0.0.1:8000/v1#{SECRET}",
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:port",
+        "http://user:pass word@127.0.0.1:8000",
+        "http://exa mple.com",
+        "http://:8000",
+    ],
+)
+@pytest.mark.parametrize("source", ["code", "environment"])
+def test_an_upstream_url_the_path_cannot_be_appended_to_fails_at_start(url: str, source: str) -> None:
+    # Before: accepted; every request then went to the wrong place (or failed to connect), and the key in
+    # the query was shown wherever the URL was.
+    with pytest.raises(ValueError) as info:
+        if source == "code":
+            LifetimeSettings(upstream_url=(url,))
+        else:
+            LifetimeSettings.from_environ(environ={"ASGI_LIFETIME_UPSTREAM_URL": url}, env_file=None)
+    message = str(info.value)
+    assert message.startswith("ASGI_LIFETIME_UPSTREAM_URL=") and "is invalid" in message
+    assert SECRET not in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:8000", "http://127.0.0.1:8000/", "https://api.example.com/v1", "http://[::1]:8000/base/"],
+)
+def test_an_ordinary_upstream_url_is_accepted(url: str) -> None:
+    assert LifetimeSettings(upstream_url=(url,)).upstream_url == (url,)
+
+
+def test_a_query_is_never_shown() -> None:
+    assert SECRET not in redact_url(f"redis://:pw@127.0.0.1:6379/0?password={SECRET}")
+
+
+def test_the_upstream_client_refuses_a_base_url_with_a_query_without_showing_it() -> None:
+    with pytest.raises(ValueError, match="has a query") as info:
+        UpstreamClient(settings=LifetimeSettings(), base_url=f"https://u:pw@api.example.com/?key={SECRET}")
+    assert SECRET not in str(info.value) and "pw" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "name", "expected"),
+    [
+        ("export ASGI_LIFETIME_STALL_TIMEOUT=9", "stall_timeout", 9.0),
+        ("export  ASGI_LIFETIME_STALL_TIMEOUT = 9", "stall_timeout", 9.0),
+        ("ASGI_LIFETIME_UPSTREAM_API_KEY=sk-live # the production key", "upstream_api_key", "sk-live"),
+        ('ASGI_LIFETIME_UPSTREAM_API_KEY="sk-live" # quoted, then a comment', "upstream_api_key", "sk-live"),
+        ("ASGI_LIFETIME_UPSTREAM_API_KEY='sk-live'", "upstream_api_key", "sk-live"),
+        ('ASGI_LIFETIME_UPSTREAM_API_KEY="sk-#live"', "upstream_api_key", "sk-#live"),  # quoted: kept
+        ("ASGI_LIFETIME_UPSTREAM_API_KEY=sk-#live", "upstream_api_key", "sk-#live"),  # no space before #
+        ("ASGI_LIFETIME_MAX_INFLIGHT=8\t# slots", "max_inflight", 8),
+        ("ASGI_LIFETIME_SESSION_HEADER=x-conv-id", "session_header", "x-conv-id"),
+    ],
+)
+def test_an_env_file_line_is_applied_as_shells_and_compose_read_it(
+    tmp_path: Path, line: str, name: str, expected: object
+) -> None:
+    # Before: the export line was ignored (the default stayed), the comment was part of the key.
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"# gateway\n{line}\nASGI_LIFETIME_GATEWAY_KEYS=client-key\n")
+    settings = LifetimeSettings.from_environ(environ={}, env_file=env_file)
+    assert getattr(settings, name) == expected
+    assert settings.gateway_keys == ("client-key",)
+
+
+def test_a_misspelt_exported_name_in_an_env_file_is_an_error(tmp_path: Path) -> None:
+    # Before: ``export`` hid the name from the unknown-setting check, as well as from the settings.
+    env_file = tmp_path / ".env"
+    env_file.write_text("export ASGI_LIFETIME_STAL_TIMEOUT=9\n")
+    with pytest.raises(ValueError, match="'ASGI_LIFETIME_STAL_TIMEOUT'.*known settings"):
+        LifetimeSettings.from_environ(environ={}, env_file=env_file)
+
+
+def _access_records(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """The fields of each access-log line (``extra={"asgi_lifetime": ...}``)."""
+    return [record.__dict__["asgi_lifetime"] for record in caplog.records if record.name == "asgi_lifetime.access"]
+
+
+async def _through_gateway(upstream_url: str, body: dict[str, Any], **changes: Any) -> tuple[int, bytes]:
+    app = create_app(LifetimeSettings(upstream_url=(upstream_url,), **{**FAST, **changes}))
+    with serve_in_thread(app) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+            response = await client.post(PATH, json=body)
+        await assert_idle(app, url)
+    return response.status_code, response.content
+
+
+@pytest.mark.anyio
+async def test_the_access_log_counts_the_attempts_of_an_unreachable_upstream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Nothing listens on the port: every attempt fails to connect. Before: attempts=0.
+    caplog.set_level(logging.INFO, logger="asgi_lifetime.access")
+    status, body = await _through_gateway(f"http://127.0.0.1:{free_port()}", STREAM_BODY)
+    assert status == 502 and b"upstream_unreachable" in body
+    [line] = _access_records(caplog)
+    assert line["attempts"] == FAST["max_attempts"]
+    assert line["status"] == 502 and line["upstream"] is None
+
+
+@pytest.mark.anyio
+async def test_the_access_log_counts_the_reissue_of_a_starved_stream(caplog: pytest.LogCaptureFixture) -> None:
+    # The first answer ends without an event (starved, re-issued); the second streams. Before: attempts=1.
+    caplog.set_level(logging.INFO, logger="asgi_lifetime.access")
+    answers = [[SSE_HEAD, b"0\r\n\r\n"], [SSE_HEAD, chunk(FIRST + END), b"0\r\n\r\n"]]
+
+    def answer(request: RawRequest) -> Script:
+        return list(answers[min(len(upstream.requests), 2) - 1])
+
+    with raw_upstream(answer) as upstream:
+        status, body = await _through_gateway(upstream.url, STREAM_BODY)
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+    assert len(upstream.requests) == 2
+    [line] = _access_records(caplog)
+    assert line["attempts"] == 2 and line["outcome"] == "complete"
+
+
+@pytest.mark.anyio
+async def test_the_access_log_counts_the_attempt_before_the_client_left(caplog: pytest.LogCaptureFixture) -> None:
+    # The upstream asks for a 3 s wait; the client gives up after 0.3 s, during the wait. Before: attempts=0.
+    caplog.set_level(logging.INFO, logger="asgi_lifetime.access")
+    busy = b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 3\r\ncontent-length: 2\r\n\r\n{}"
+    with raw_upstream(lambda request: [busy]) as upstream:
+        app = create_app(LifetimeSettings(upstream_url=(upstream.url,), **{**FAST, "retry_after_cap": 10.0}))
+        with serve_in_thread(app) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=0.3) as client:
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post(PATH, json=STREAM_BODY)
+            await assert_idle(app, url)
+    assert len(upstream.requests) == 1
+    [line] = _access_records(caplog)
+    assert line["attempts"] == 1 and line["outcome"] == "client_disconnected"
