@@ -87,7 +87,7 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool, redraw: fro
     add("")
     add(
         "Gateways: **asgi_lifetime** is `create_app()` with a preparer that inserts a system message "
-        "(so the body is re-serialized), with `RETAIN_OUTBOUND=memory` (*retain memory*: the outbound body kept "
+        "(declared `@without_parse`: the body is not parsed, the message is spliced into the received bytes), with `RETAIN_OUTBOUND=memory` (*retain memory*: the outbound body kept "
         "in RAM for one blind re-issue; what `RETAIN_OUTBOUND=true` did before the setting named a place) or `off`; "
         "section 7 compares them with `disk`, now the default. The **ordinary proxy** "
         "(`benchmarks/ordinary_proxy.py`) is the idiomatic Starlette + httpx version: `await request.body()`, "
@@ -331,9 +331,8 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
             lines.append("*RSS while streaming, retain off*: allocator residue, as above.")
         elif name.startswith("peak while preparing") and "retain memory" in name:
             lines.append(
-                "*Peak while preparing*: when the changed body is serialized the process holds the parse (about "
-                "1.3x for many turns), the new body (1x) and the UTF-8 copies the encoder caches inside non-ASCII "
-                "strings; the raw body is already freed. Lower needs a design change (section 1)."
+                "*Peak while preparing*: the received body, the lazy look's working set and, at 1 MiB and below, "
+                "the spliced body joined (section 1)."
             )
         elif name.startswith("CPU per request"):
             lines.append(
@@ -378,7 +377,8 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
                 "forwarder with the body unchanged (it also hashes the body and judges it: one typed msgspec pass, "
                 "about 57 ms of CPU for this body, which must be known valid before a byte is sent)"
                 + (
-                    f" and {t['gw_on'] / t['bare']:.2f}x with a message inserted (a splice: one copy of the 64 MiB)"
+                    f" and {t['gw_on'] / t['bare']:.2f}x with a message inserted (spliced without a copy: the "
+                    "added message and views of the received bytes)"
                     if changed
                     else ""
                 )
@@ -468,21 +468,20 @@ def _memory(results: dict[str, Any], add: Any, out: Path, plots: bool, *, draw: 
     add("Reading the figures:")
     add("")
     add(
-        "- *Preparing* peaks, for a changed body, while the body is parsed: the received body (1x) and the parse "
+        "- *Preparing*: the gateway's preparer is `@without_parse`, so the body is judged by the lazy look (small "
+        "structs of views into the body, no parse) and the message is spliced in without copying the received "
+        "bytes (above 1 MiB the outbound body is views of them and the message; at 1 MiB and below it is joined, "
+        "one copy: the 1 MiB rows). The peak while preparing is the received body and the look's working set."
+    )
+    add(
+        "- A preparer that reads `draft.body` makes the gateway parse it: the received body (1x) and the parse "
         "(about 1.3x the body for many turns: small objects, about 700 bytes per turn besides the text; strings "
         "with ’ — λ at 2 bytes per character) exist together for a moment. After that the received body is "
         "freed, and the new body is serialized while the conversation is emptied item by item "
         "(`_json.dumps_consuming`, with a `malloc_trim` every 8 MiB written), so the parse shrinks as the new "
-        "body grows. No parse survives preparation: the refold and role-remap closures re-parse the outbound "
-        "body on the rare rejection that needs them."
-    )
-    add(
-        "- So the peak while preparing is about raw + parse (2.3x for many turns), set before any preparer "
-        "runs; lower would need parsing while the body is still arriving."
-    )
-    add(
-        "- One huge string: parsing it needs a scratch copy to unescape it (msgspec and the standard library "
-        "alike), so the parse peaks at raw + scratch + string for a moment: about 3x."
+        "body grows: about raw + parse at the peak (one huge string parses at raw + an unescaping scratch copy + "
+        "the string: about 3x). No parse survives preparation: the refold and role-remap closures re-parse the "
+        "outbound body on the rare rejection that needs them."
     )
     add(
         "- What remains while streaming with retain off and after the response (a few MiB) is not live data "
@@ -680,7 +679,8 @@ def _ttfb(results: dict[str, Any], add: Any) -> None:
     add(
         "The gateway hashes while reading and judges the body without the full parse when it can (the lazy "
         "look, `_lazy.py`); an unchanged body is sent as received (zero copy); with retain memory its "
-        "preparer inserts a message, spliced into the received bytes. The ordinary proxy joins the chunks, "
+        "preparer inserts a message, spliced into the received bytes without copying them (a `Spliced` body: "
+        "views of the received bytes and the message, sent slice by slice). The ordinary proxy joins the chunks, "
         "decodes and parses with `json`, serializes with `json.dumps` and encodes."
     )
     add("")
