@@ -1,10 +1,14 @@
 """ASGI chores, each done once: header field lookup, JSON or not, the mounted path, waiting for a
 disconnect, sending an error. The middleware and the gateway both use them.
+
+``send_error`` is the one way a request is refused (401, 400, 408, 413, 415, 503): an outer layer
+that puts an observer in the scope under ``REFUSED`` (the gateway's ``Refusals``) hears of each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Final
 from urllib.parse import unquote
 
 from starlette.types import Receive, Scope, Send
@@ -12,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from ._exceptions import LifetimeError, MalformedBody, error_shape
 
 __all__ = [
+    "REFUSED",
     "Headers",
     "is_json",
     "list_field",
@@ -21,6 +26,13 @@ __all__ = [
     "upstream_path",
     "wait_disconnect",
 ]
+
+REFUSED: Final = "asgi_lifetime.refused"
+"""Scope key of a refusal observer, ``observer(scope, exc)``, called by ``send_error`` after it answered.
+
+Set by an outer layer; ``LifetimeMiddleware`` removes it from the scope it hands the app, whose
+own bookkeeping records what happens from then on (the gateway's ``Forwarder``: one ``Outcome``).
+"""
 
 Headers = Iterable[tuple[bytes, bytes]]
 """ASGI header lines: lowercase names, raw values, in the order received."""
@@ -105,7 +117,13 @@ async def wait_disconnect(receive: Receive) -> None:
 async def send_error(
     scope: Scope, send: Send, exc: LifetimeError, *, extra_headers: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
-    """Send ``exc`` as a complete JSON error response, in the shape the client of ``scope`` parses."""
+    """Send ``exc`` as a complete JSON error response, in the shape the client of ``scope`` parses,
+    and tell the scope's ``REFUSED`` observer, if any."""
     start, body = exc.asgi_response(extra_headers, shape=error_shape(scope["path"], scope["headers"]))
-    await send(start)
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    try:
+        await send(start)
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    finally:  # refused all the same when the client is gone before the answer
+        observer: Callable[[Scope, LifetimeError], None] | None = scope.get(REFUSED)
+        if observer is not None:
+            observer(scope, exc)

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _json
 from ._admission import Admission, Ticket
-from ._asgi import is_json, list_field, route_path, send_error
+from ._asgi import REFUSED, is_json, list_field, route_path, send_error
 from ._body import parse_content_length, read_body
 from ._exceptions import (
     BodyAborted,
@@ -317,6 +317,8 @@ class LifetimeMiddleware:
                 state._parsed_hold = resources.retain(len(raw))
 
         inner_scope = dict(scope)
+        # Handed over: the app's own bookkeeping records the request from here, its errors included.
+        inner_scope.pop(REFUSED, None)
         # One state dict for both scopes: what the inner app puts in ``request.state`` is seen
         # by middleware outside this one (Starlette's ``BaseHTTPMiddleware`` reads it after the call).
         shared_state = scope.setdefault("state", {})

@@ -1,4 +1,4 @@
-"""The access log: one structured line per forwarded request, from the ``Outcome`` scalars.
+"""The access log: one structured line per request the gateway answers on its forwarded paths.
 
 ``AccessLog`` is a bookkeeper. Each ``record(outcome)`` logs one line at INFO on the
 ``asgi_lifetime.access`` logger, as logfmt ``key=value`` pairs::
@@ -7,7 +7,13 @@
     attempts=1 bytes_out=5120 ttfb_ms=412.3 duration_ms=9031.8 size=48213
     text_comparable=true wire_hash=af13...c2 session=ab12cd34
 
-(one line; wrapped here). What it never writes: the body (only its ``wire_hash`` and size),
+(one line; wrapped here). A request refused before it reached the forwarder (a wrong gateway
+key, a body refused, admission shed) gets a shorter line from ``refused(...)``, the error's code
+instead of the forwarding fields::
+
+    path=/v1/chat/completions status=401 outcome=refused code=invalid_api_key duration_ms=0.1
+
+What it never writes: the body (only its ``wire_hash`` and size),
 the query string (it is where API keys travel: ``?key=...``), credentials in the upstream
 URL (user info, query), and the session id in clear (an 8-hex-digit blake2b hash of it, so
 lines of one session can be correlated without the log holding the id). A field without a
@@ -32,7 +38,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ._bookkeeping import Outcome
 
-__all__ = ["ACCESS_LOGGER", "AccessLog", "access_fields", "public_path", "public_url", "session_hash"]
+__all__ = [
+    "ACCESS_LOGGER",
+    "AccessLog",
+    "access_fields",
+    "public_path",
+    "public_url",
+    "refused_fields",
+    "session_hash",
+]
 
 ACCESS_LOGGER: Final = "asgi_lifetime.access"
 
@@ -100,6 +114,17 @@ def access_fields(outcome: Outcome) -> dict[str, object]:
     }
 
 
+def refused_fields(path: str, status: int, code: str, duration: float) -> dict[str, object]:
+    """The fields of a refused request's line, in order: nothing the client sent but its path."""
+    return {
+        "path": public_path(path),
+        "status": status,
+        "outcome": "refused",
+        "code": code,
+        "duration_ms": _ms(duration),
+    }
+
+
 class AccessLog:
     """A bookkeeper that writes one logfmt line per request to ``asgi_lifetime.access``.
 
@@ -107,6 +132,7 @@ class AccessLog:
     logging.getLogger("asgi_lifetime.access").setLevel(logging.INFO)
     access = AccessLog()
     access.record(outcome)      # path=/v1/chat/completions status=200 outcome=complete ...
+    access.refused("/v1/chat/completions", 401, "invalid_api_key", 0.0001)  # ... outcome=refused ...
     ```
 
     Pass ``logger`` to log elsewhere. Nothing is formatted when INFO is disabled.
@@ -124,6 +150,14 @@ class AccessLog:
     def record(self, outcome: Outcome) -> None:
         if not self._logger.isEnabledFor(logging.INFO):
             return
-        fields = access_fields(outcome)
+        self._write(access_fields(outcome))
+
+    def refused(self, path: str, status: int, code: str, duration: float) -> None:
+        """Log a request refused before it reached the forwarder (its error's status and code)."""
+        if not self._logger.isEnabledFor(logging.INFO):
+            return
+        self._write(refused_fields(path, status, code, duration))
+
+    def _write(self, fields: dict[str, object]) -> None:
         line = " ".join(f"{key}={_logfmt_value(value)}" for key, value in fields.items())
         self._logger.info("%s", line, extra={"asgi_lifetime": fields})

@@ -43,6 +43,7 @@ from ._forward import Forwarder
 from ._metrics import MULTIPROC_DIR_ENV, GatewayMetrics, make_metrics_route
 from ._prepare import Preparer, is_without_parse
 from ._refold import Conversation, Refold, default_refold
+from ._refusals import Refusals
 from ._session_store import RedisSessionBook, make_session_book
 from ._shutdown import StopSignal, grace_starts_at, shutdown_requested
 from ._upstream import AttemptEvent, UpstreamClient
@@ -103,11 +104,12 @@ def create_app(
     # The metrics validated the directory; without one the stats are this process's, and say so.
     workers = WorkerStats(report, directory=os.environ.get(MULTIPROC_DIR_ENV) if metrics.multiprocess else None)
     drain = _Drain(lifetime)
+    access_log = AccessLog()
     forwarder = Forwarder(
         lifetime=lifetime,
         upstream=upstream,
         preparers=preparers,
-        bookkeepers=(bookkeeper if bookkeeper is not None else book, metrics, AccessLog()),
+        bookkeepers=(bookkeeper if bookkeeper is not None else book, metrics, access_log),
         book=book,
         refold_factory=refold_factory,
     )
@@ -168,7 +170,9 @@ def create_app(
             ),
         ],
         middleware=[
-            # Outermost: a stranger is refused before admission or body reading.
+            # Around every refuser: a request refused before the forwarder is logged and counted here.
+            Middleware(Refusals, access_log=access_log, metrics=metrics),
+            # Then: a stranger is refused before admission or body reading.
             Middleware(
                 GatewayAuth,
                 gateway_keys=settings.gateway_keys,

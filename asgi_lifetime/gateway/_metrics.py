@@ -5,7 +5,8 @@ Two sources feed the metrics (docs/metrics.md lists them all):
 - **Per request**, from the ``Outcome`` scalars handed to ``GatewayMetrics.record`` (it is a
   bookkeeper) and from the upstream client's ``AttemptEvent``\\ s (``on_attempt`` is a
   listener): requests by status, upstream and outcome, time to first byte and duration
-  histograms, response bytes, extra attempts by kind and reason class.
+  histograms, response bytes, extra attempts by kind and reason class; and, from ``refused``
+  (the gateway's ``Refusals`` calls it), requests refused before reaching the forwarder.
 - **Live state**, read from the gateway's own ``Counters`` and ``UpstreamClient.describe()``:
   the gauges (in-flight requests and bytes, retained input, live resources, pinned
   sessions, per-upstream in flight and cool-off) and the totals the middleware already
@@ -14,7 +15,8 @@ Two sources feed the metrics (docs/metrics.md lists them all):
 
 Labels are bounded by construction: ``status`` is the exact status code, ``upstream`` the
 configured base URL without user info or query (at most 64 distinct values, then
-``other``), ``outcome`` one of ``OUTCOMES``, ``kind`` and ``reason`` fixed sets. Never the
+``other``), ``outcome`` one of ``OUTCOMES``, ``kind`` and ``reason`` fixed sets (a refusal's
+error code outside ``REFUSAL_REASONS`` is ``other``). Never the
 path, the session id, a key or a body.
 
 **One process** (``PROMETHEUS_MULTIPROC_DIR`` not set): each ``GatewayMetrics`` has its own
@@ -88,6 +90,7 @@ __all__ = [
     "MULTIPROC_DIR_ENV",
     "PREFIX",
     "QUEUE_BUCKETS",
+    "REFUSAL_REASONS",
     "GatewayMetrics",
     "make_metrics_route",
 ]
@@ -159,6 +162,36 @@ _UPSTREAM_ATTEMPTS: Final = ("upstream_attempts", "Attempts sent to the upstream
 _UPSTREAM_FAILURES: Final = ("upstream_failures", "Failures that put the upstream into cool-off.")
 
 _REQUESTS: Final = ("requests", "Forwarded requests by final status, upstream and outcome.")
+_REFUSED: Final = (
+    "refused",
+    "Requests answered with an error before reaching the forwarder (bad gateway key, body refused, "
+    "admission shed), by status and reason (the error code).",
+)
+REFUSAL_REASONS: Final = frozenset(
+    {
+        # 401 (GatewayAuth)
+        "invalid_api_key",
+        # 400 (framing, encoding, Content-Type; LifetimeMiddleware and _body)
+        "malformed_body",
+        "malformed_encoding",
+        "content_length_mismatch",
+        "invalid_content_length",
+        "conflicting_framing",
+        "invalid_transfer_encoding",
+        "conflicting_content_type",
+        "unexpected_message",
+        "unsupported_http_version",
+        # 408, 413, 415
+        "request_timeout",
+        "request_body_timeout",
+        "request_too_large",
+        "body_too_complex",
+        "unsupported_encoding",
+        # 503 (admission, whatever the reason: admission_shed_total says which)
+        "overloaded",
+    }
+)
+"""The ``reason`` label values of ``refused_total`` (besides ``other``): the error codes a refusal carries."""
 _ATTEMPTS: Final = ("attempts", "Extra upstream attempts by kind (retry, refold, role) and reason class.")
 _RESPONSE_BYTES: Final = ("response_bytes", "Response body bytes sent to clients.")
 _TTFB: Final = ("time_to_first_byte_seconds", "Seconds from admission to the first response body byte.")
@@ -257,11 +290,13 @@ def _upstream_views(
 class _RequestMetrics:
     """The metrics fed by ``record`` and ``on_attempt``."""
 
-    __slots__ = ("requests", "attempts", "response_bytes", "ttfb", "duration", "queue")
+    __slots__ = ("requests", "refused", "attempts", "response_bytes", "ttfb", "duration", "queue")
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         name, doc = _REQUESTS
         self.requests = Counter(PREFIX + name, doc, ["status", "upstream", "outcome"], registry=registry)
+        name, doc = _REFUSED
+        self.refused = Counter(PREFIX + name, doc, ["status", "reason"], registry=registry)
         name, doc = _ATTEMPTS
         self.attempts = Counter(PREFIX + name, doc, ["kind", "reason"], registry=registry)
         name, doc = _RESPONSE_BYTES
@@ -360,6 +395,7 @@ class GatewayMetrics:
         # The ``requests`` child per (status, upstream, outcome) as the outcome gives them: prometheus's
         # ``labels()`` validates, sorts and builds a tuple on every call, a cost per request.
         self._children: dict[tuple[int, str | None, str], Counter] = {}
+        self._refused_children: dict[tuple[int, str], Counter] = {}  # the same, for ``refused``
         self.registry = registry if registry is not None else CollectorRegistry()
         """The registry ``render`` exposes."""
         directory = os.environ.get(MULTIPROC_DIR_ENV)
@@ -423,6 +459,19 @@ class GatewayMetrics:
             if len(self._children) < _MAX_CHILDREN:
                 self._children[key] = child
         return child
+
+    def refused(self, status: int, code: str) -> None:
+        """Count one request refused before it reached the forwarder (the error's status and code)."""
+        key = (status, code)
+        child = self._refused_children.get(key)
+        if child is None:
+            reason = code if code in REFUSAL_REASONS else _OVERFLOW_LABEL
+            child = self._metrics.refused.labels(status=_status_label(status), reason=reason)
+            if len(self._refused_children) < _MAX_CHILDREN:  # codes of the caller's own errors: still bounded
+                self._refused_children[key] = child
+        child.inc()
+        if self._process is not None:
+            self._process.ensure_thread()
 
     def on_admission_wait(self, seconds: float) -> None:
         """Observe one admitted request's wait for its slot (an ``Admission.on_admitted`` listener)."""

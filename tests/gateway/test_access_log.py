@@ -172,6 +172,15 @@ def test_values_are_quoted_when_needed(path: str, access: AccessLog, caplog: pyt
     assert fields["path"] == path
 
 
+def test_a_refused_request_gets_a_short_line(access: AccessLog, caplog: pytest.LogCaptureFixture) -> None:
+    access.refused("/v1/chat/completions?key=SECRET", 401, "invalid_api_key", 0.00012)
+    [record] = access_records(caplog)
+    fields = {"path": "/v1/chat/completions", "status": 401, "outcome": "refused", "code": "invalid_api_key"}
+    assert record.__dict__["asgi_lifetime"] == {**fields, "duration_ms": 0.1}
+    assert parse_logfmt(record.getMessage()) == {**{k: str(v) for k, v in fields.items()}, "duration_ms": "0.1"}
+    assert "SECRET" not in record.getMessage()
+
+
 def test_nothing_formatted_when_info_is_off(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=ACCESS_LOGGER)
     AccessLog().record(make_outcome())

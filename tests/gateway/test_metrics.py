@@ -300,6 +300,23 @@ def test_the_label_set_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None
     }
 
 
+def test_refused_counts_by_status_and_a_bounded_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_metrics, "_MAX_CHILDREN", 4)
+    metrics = GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
+    metrics.refused(401, "invalid_api_key")
+    metrics.refused(401, "invalid_api_key")
+    metrics.refused(503, "overloaded")
+    # Codes outside the fixed set (an app's own errors) are one "other" series per status, however many.
+    for n in range(100):
+        metrics.refused(400, f"made_up_{n}")
+    assert len(metrics._refused_children) == 4
+    assert series(parse(metrics.render()[0]), "refused_total") == {
+        lbl(status="401", reason="invalid_api_key"): 2,
+        lbl(status="503", reason="overloaded"): 1,
+        lbl(status="400", reason="other"): 100,
+    }
+
+
 @pytest.mark.parametrize(
     ("event", "reason"),
     [
@@ -465,6 +482,22 @@ def test_multiprocess_two_instances_sum(make_metrics: Callable[..., GatewayMetri
     assert series(s, "upstream_inflight") == {lbl(upstream=A): 1, lbl(upstream=B): 0}
     assert series(s, "upstream_down") == {lbl(upstream=A): 0, lbl(upstream=B): 1}
     assert value(s, "requests_total", status="200", upstream=A, outcome="complete") == 4
+
+
+def test_multiprocess_refused_sum(make_metrics: Callable[..., GatewayMetrics], multiproc_dir: Path) -> None:
+    a = make_metrics(Counters())
+    b = make_metrics(Counters())
+    a.refused(401, "invalid_api_key")
+    b.refused(401, "invalid_api_key")
+    b.refused(413, "request_too_large")
+    assert {p.name.split("_")[0] for p in multiproc_dir.iterdir()} >= {"counter"}
+    s = parse(a.render()[0])
+    assert series(s, "refused_total") == {
+        lbl(status="401", reason="invalid_api_key"): 2,
+        lbl(status="413", reason="request_too_large"): 1,
+    }
+    b.close()
+    assert parse(a.render()[0]) == s  # totals: a closed instance's count stays
 
 
 def test_multiprocess_session_store_is_up_only_where_every_worker_has_it(multiproc_dir: Path) -> None:
