@@ -9,7 +9,7 @@ upstream key and no gateway keys (a local development proxy), only loopback clie
 served; the CLI also refuses to bind such a gateway to a non-loopback address.
 
 ``UPSTREAM_AUTH`` says how the key goes upstream: ``bearer`` (``Authorization: Bearer``,
-OpenAI-style), ``x-api-key`` (Anthropic) or ``x-goog-api-key`` (Gemini). Whichever it is,
+OpenAI-style), ``x-api-key`` (Anthropic), ``x-goog-api-key`` (Gemini) or ``api-key`` (Azure OpenAI). Whichever it is,
 every client credential (``Authorization``, ``x-api-key``, ``x-goog-api-key``, a ``key=``
 query parameter) is removed first, so the upstream sees exactly one credential: ours.
 

@@ -134,7 +134,7 @@ _TOTALS: Final = (
     ("admission_rejections", "rejected", "Requests rejected by admission (busy or shutting down: 503)."),
     ("body_aborted", "aborted", "Requests whose client went away before the body was read."),
     ("body_too_large", "too_large", "Requests refused because the body exceeded the size limit (413)."),
-    ("body_timed_out", "timed_out", "Requests whose body stopped arriving (idle timeout)."),
+    ("body_timed_out", "timed_out", "Requests whose body stopped arriving or took longer than BODY_TIMEOUT (408)."),
     ("completed", "completed", "Requests the wrapped app finished handling."),
     ("starvations", "starved", "Upstream streams that ended with no output or no terminal event (re-issued or not)."),
     ("stalls", "stalled", "Upstream streams that sent nothing for the stall timeout."),
