@@ -495,11 +495,14 @@ def _splice(raw: bytes, span: tuple[int, int], first: list[Any], last: list[Any]
     """
     start, end = span
     view = memoryview(raw)
-    middle: list[bytes | memoryview] = [_json.dumps(item) for item in first]
+    # The added items of each side are one part (their copy is small): a part each would make
+    # every send slice walk thousands of parts when a preparer adds thousands of messages.
+    middle: list[bytes | memoryview] = [b",".join([_json.dumps(item) for item in first])] if first else []
     inside = _INSIDE.match(raw, start + 1)  # "[ \t\n\r]*" always matches
     if inside is not None and inside.end() < end - 1:  # not "[]" nor "[ ]": its items, as received
         middle.append(view[start + 1 : end - 1])
-    middle += [_json.dumps(item) for item in last]
+    if last:
+        middle.append(b",".join([_json.dumps(item) for item in last]))
     parts: list[bytes | memoryview] = [view[: start + 1]]
     for n, piece in enumerate(middle):
         if n:
