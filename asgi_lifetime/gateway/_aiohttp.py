@@ -309,6 +309,17 @@ class _GuardedHandler(ResponseHandler):
                 return
         super().feed_data(data, size)
 
+    def close(self) -> None:
+        # asyncio closes a transport only once its unsent bytes are written: a request abandoned
+        # mid-body (the client left) to an upstream that stopped reading kept its socket open and
+        # its unsent slice alive, for good. Nobody wants those bytes now: abort (aiohttp closes a
+        # connection it will not reuse through here).
+        transport = self.transport
+        if transport is not None and transport.get_write_buffer_size():
+            self.abort()
+            return
+        super().close()
+
     def _leftover(self, what: str) -> None:
         logger.warning("the upstream sent %s after a complete response: connection closed, not reused", what)
         self._should_close = True

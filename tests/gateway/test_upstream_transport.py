@@ -2,7 +2,8 @@
 
 Each transport is driven against raw loopback sockets (nothing about aiohttp is assumed): the
 same failures raise the same httpx exceptions (the retry loop maps those), the bytes go through
-untouched both ways, a response closed half-read never goes back to the pool, and ``auto``
+untouched both ways, a response closed half-read never goes back to the pool, a request abandoned
+mid-body to an upstream that stopped reading closes its connection at once, and ``auto``
 picks aiohttp on asyncio and httpcore on trio. aiohttp runs on asyncio only: on trio, asking for
 it fails when the transport is chosen (the gateway's startup), which is tested too.
 """
@@ -13,12 +14,15 @@ import contextlib
 import gzip
 import logging
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
 import anyio
 import httpx
+import psutil
 import pytest
 from aiohttp.client_proto import ResponseHandler
 from starlette.types import Message
@@ -265,6 +269,82 @@ async def test_a_response_left_half_read_closes_its_connection(choice: str, stop
                 assert response.is_closed
                 await eventually(upstream.released.is_set, seconds=5)  # the upstream saw its connection closed
                 assert transport.busy() == []
+
+
+class _Slices(httpx.AsyncByteStream):
+    """A request body of ``count`` 1 MiB slices; ``pulled`` counts those handed to the transport."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.pulled = 0
+        self.headers = {"content-length": str(count * 1024 * 1024)}  # as the gateway sends a body
+        self._seen = (-1, 0.0)
+
+    def waiting(self) -> bool:
+        """At least one slice was pulled and no other for half a second: the transport's write waits."""
+        now = time.monotonic()
+        if self.pulled != self._seen[0]:
+            self._seen = (self.pulled, now)
+        return self.pulled > 0 and now - self._seen[1] >= 0.5
+
+    def __aiter__(self) -> _Slices:
+        return self  # not a generator: one abandoned mid-way is no unfinished async generator
+
+    async def __anext__(self) -> bytes:
+        if self.pulled >= self.count:
+            raise StopAsyncIteration
+        self.pulled += 1
+        return b"x" * (1024 * 1024)
+
+
+@contextlib.contextmanager
+def deaf_upstream() -> Iterator[tuple[str, int]]:
+    """An upstream that accepts one connection and never reads from it: its URL and port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # the listener closed: nobody came
+            accepted.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", port
+    finally:
+        listener.close()
+        thread.join(10)
+        for sock in accepted:
+            sock.close()
+
+
+def connections_to(port: int) -> list[str]:
+    """The states of this process's TCP connections to ``port`` (the client side)."""
+    return [c.status for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port]
+
+
+@pytest.mark.parametrize("choice", TRANSPORTS)
+async def test_a_request_abandoned_mid_body_closes_its_connection(choice: str, anyio_backend: str) -> None:
+    """The client leaves while its 64 MiB body is being sent to an upstream that stopped reading: the
+    connection goes at once. (aiohttp closed it gracefully, and asyncio closes a transport only once
+    its unsent bytes are written: the socket and the unsent slice stayed for good.)"""
+    if not runs_here(choice, anyio_backend):
+        return
+    body = _Slices(64)
+    with deaf_upstream() as (url, port):
+        async with network(choice) as transport:
+            async with httpx.AsyncClient(transport=transport, timeout=30) as client:
+                async with anyio.create_task_group() as tg:
+                    request = client.build_request("POST", url + "/v1/chat/completions", headers=body.headers)
+                    request.stream = body
+                    tg.start_soon(client.send, request)
+                    # Sent until the write waits on the deaf upstream (the kernel's buffers take a few MiB,
+                    # then nothing more is pulled): the transport holds unsent bytes when the client leaves.
+                    await eventually(lambda: body.waiting() and connections_to(port) == ["ESTABLISHED"], seconds=20)
+                    tg.cancel_scope.cancel()
+                await eventually(lambda: connections_to(port) == [], seconds=5)
+                assert body.pulled < body.count and transport.busy() == []
 
 
 @pytest.mark.parametrize(("backend_name", "expected"), [("asyncio", "aiohttp"), ("trio", "httpcore")])
