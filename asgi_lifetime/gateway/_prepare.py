@@ -212,7 +212,10 @@ class Spliced:
     __slots__ = ("parts", "_size")
 
     def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
-        self.parts: tuple[bytes | memoryview, ...] = tuple(parts)
+        # Views as bytes: a view of another format counts items, not bytes (its Content-Length would lie).
+        self.parts: tuple[bytes | memoryview, ...] = tuple(
+            part.cast("B") if isinstance(part, memoryview) else part for part in parts
+        )
         self._size = sum(len(part) for part in self.parts)
 
     def __len__(self) -> int:

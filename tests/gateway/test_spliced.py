@@ -11,6 +11,7 @@ bytes, and refolds or renames roles from it (the one reader that joins it).
 
 from __future__ import annotations
 
+import array
 import json
 import tracemalloc
 from typing import Any
@@ -85,6 +86,13 @@ def test_spliced_compares_as_the_bytes_it_stands_for(parts: list[bytes | memoryv
         changed[flip % len(whole)] ^= 1
         assert body != bytes(changed)
     assert body != whole + b"x" and body != "text"
+
+
+def test_a_view_of_another_format_counts_its_bytes() -> None:
+    words = array.array("I", [1, 2, 3])  # 3 items, 12 bytes
+    body = Spliced([b"[", memoryview(words), b"]"])
+    assert len(body) == 14 and bytes(body) == b"[" + words.tobytes() + b"]"
+    assert body.read(1, 12) == words.tobytes()
 
 
 def test_spliced_is_not_hashable() -> None:
