@@ -947,6 +947,9 @@ def _connect(url: str, timeout: float) -> Redis:
         socket_connect_timeout=2 * timeout,
         retry=Retry(NoBackoff(), 0),
         client_name="asgi-lifetime",
+        # RESP2, as every Redis-compatible server speaks it (redis-py 8.2 defaults to RESP3: a ``HELLO 3``
+        # that a server before Redis 6 refuses, and replies of other types to the ones read here).
+        protocol=2,
         **options,
     )
     return client
