@@ -24,9 +24,9 @@ from ._exceptions import (
     LifetimeError,
     MalformedBody,
 )
-from ._fingerprint import Fingerprint, fingerprint
+from ._fingerprint import Fingerprint, fingerprint, wire_hash
 from ._lazy import DeferredParse, inspect_body
-from ._parse import offload, parse_body
+from ._parse import THREAD_THRESHOLD, offload, parse_body
 from ._resources import RequestResources, Resource
 from ._settings import LifetimeSettings
 from ._stats import Counters, LifetimeStats
@@ -284,7 +284,6 @@ class LifetimeMiddleware:
         resources.add(ticket.release)
         admission_wait = time.monotonic() - started
 
-        hasher = blake3()
         try:
             raw = await read_body(
                 body_receive,
@@ -293,7 +292,6 @@ class LifetimeMiddleware:
                 idle_timeout=settings.body_idle_timeout,
                 body_timeout=settings.body_timeout,
                 content_encoding=encoding,
-                hasher=hasher,
                 on_progress=ticket.grow_to,  # charged before the body grows, raw or decoded
             )
         except BaseException:
@@ -303,8 +301,7 @@ class LifetimeMiddleware:
             raise
         ticket.shrink_to(len(raw))  # give back the last inflate step's unused reservation
         hold = resources.retain(len(raw))
-        parsed, verdict = await _first_look(raw, ticket, self.handoff_parsed) if json_body else (_NOT_PARSED, None)
-        digest = hasher.hexdigest()
+        digest, parsed, verdict = await _hash_and_look(raw, ticket, self.handoff_parsed if json_body else None)
         if verdict is None:
             first = None if parsed is _NOT_PARSED else parsed
             fp = await offload(len(raw), lambda: fingerprint(raw, parsed=first, wire_hash=digest))
@@ -408,6 +405,39 @@ def _replaying(early: list[Message], receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+async def _hash_and_look(
+    raw: bytes, ticket: Ticket, handoff: bool | Literal["on_demand"] | None
+) -> tuple[str, Any, bool | None]:
+    """The wire hash of ``raw``, and ``_first_look``'s parse and verdict (``None`` for ``handoff``: not
+    JSON, nothing to look at).
+
+    A large body is hashed in a worker thread while the look runs in another: blake3 releases the GIL,
+    so the hash costs no time beside the look, where hashing chunk by chunk as they came made the read
+    (bound by the event loop's CPU) a third slower."""
+    if handoff is None:
+        return await offload(len(raw), lambda: wire_hash(raw)), _NOT_PARSED, None
+    if len(raw) < THREAD_THRESHOLD:
+        return wire_hash(raw), *await _first_look(raw, ticket, handoff)
+    digest = ""
+
+    async def hash_raw() -> None:
+        nonlocal digest
+        # One thread: the other core is the look's.
+        digest = await anyio.to_thread.run_sync(lambda: blake3(raw).hexdigest())
+
+    looked: tuple[Any, bool | None] | Exception
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hash_raw)
+        try:
+            looked = await _first_look(raw, ticket, handoff)
+        except Exception as exc:  # raised below as it is, not wrapped in the task group's ExceptionGroup
+            looked = exc
+            tg.cancel_scope.cancel()  # the hash is not needed (its thread runs to its end all the same)
+    if isinstance(looked, Exception):
+        raise looked
+    return digest, *looked
 
 
 async def _first_look(raw: bytes, ticket: Ticket, handoff: bool | Literal["on_demand"]) -> tuple[Any, bool | None]:

@@ -677,8 +677,8 @@ def _ttfb(results: dict[str, Any], add: Any) -> None:
         )
     add("")
     add(
-        "The gateway hashes while reading and judges the body without the full parse when it can (the lazy "
-        "look, `_lazy.py`); an unchanged body is sent as received (zero copy); with retain memory its "
+        "The gateway judges the body without the full parse when it can (the lazy look, `_lazy.py`) and hashes "
+        "it in another worker thread meanwhile (blake3 releases the GIL); an unchanged body is sent as received (zero copy); with retain memory its "
         "preparer inserts a message, spliced into the received bytes without copying them (a `Spliced` body: "
         "views of the received bytes and the message, sent slice by slice). The ordinary proxy joins the chunks, "
         "decodes and parses with `json`, serializes with `json.dumps` and encodes."
@@ -690,8 +690,8 @@ def _fingerprint(results: dict[str, Any], add: Any) -> None:
     add("## 5. Fingerprint cost")
     add("")
     add(
-        "In-process, median of 3-5. *blake3 per chunk*: fed 64 KiB at a time as the body reader does (single "
-        "thread); *whole*: `wire_hash(raw)` (multithreaded from 8 MiB). *Verdict*: `text_comparable` on the "
+        "In-process, median of 3-5. *blake3 per chunk*: fed 64 KiB at a time, one thread (the "
+        "rate of the thread that hashes a large JSON body beside the lazy look); *whole*: `wire_hash(raw)` (multithreaded from 8 MiB). *Verdict*: `text_comparable` on the "
         "parse. The fingerprint's cost is blake3 per chunk + verdict (the parse is shared with the request), "
         "compared with `json.loads` (standard library) and with the codec in use (`_json.loads`, msgspec)."
     )

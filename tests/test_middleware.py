@@ -12,6 +12,7 @@ from typing import Any, Literal
 import anyio
 import httpx
 import pytest
+from blake3 import blake3
 from fastapi import FastAPI
 from fastapi import Request as FastAPIRequest
 from starlette.applications import Starlette
@@ -707,3 +708,55 @@ async def test_a_body_too_costly_to_parse_is_refused_only_when_the_app_wants_the
     else:
         assert out.messages[0]["status"] == 204 and seen == [MILLION_EMPTY, False]
     assert lifetime.stats().idle
+
+
+LARGE_CHAT = json.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": f"turn {i} " + "x" * 4000} for i in range(100)]}
+).encode()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("kind", "content_type", "raw", "encoding"),
+    [
+        ("lazy look", b"application/json", LARGE_CHAT, None),
+        ("lazy look, gzip", b"application/json", LARGE_CHAT, "gzip"),
+        ("full parse", b"application/json", LARGE_CHAT.replace(b'"m"', b"NaN", 1), None),
+        ("not JSON", b"application/octet-stream", bytes(range(256)) * 2048, None),
+        ("not JSON, gzip", b"application/octet-stream", bytes(range(256)) * 2048, "gzip"),
+    ],
+)
+@pytest.mark.parametrize("handoff", [False, "on_demand", True])
+async def test_a_large_body_is_hashed_beside_the_look_as_received(
+    kind: str, content_type: bytes, raw: bytes, encoding: str | None, handoff: bool | Literal["on_demand"]
+) -> None:
+    """From ``THREAD_THRESHOLD`` on, the hash runs in a worker thread beside the look: it is still
+    the digest of the body as decoded, whatever path the look takes."""
+    from asgi_lifetime._parse import THREAD_THRESHOLD
+
+    assert len(raw) >= THREAD_THRESHOLD
+    seen: list[Any] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(scope["state"]["lifetime"].fingerprint)
+        seen.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    wire = gzip.compress(raw) if encoding else raw
+    headers = [(b"content-type", content_type), (b"content-length", str(len(wire)).encode())]
+    if encoding:
+        headers.append((b"content-encoding", encoding.encode()))
+    middleware = LifetimeMiddleware(app, settings=settings(), handoff_parsed=handoff)
+    out = Recorder()
+    chunks = [wire[i : i + 65536] for i in range(0, len(wire), 65536)]
+    messages: list[Message] = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    messages[-1]["more_body"] = False
+    with anyio.fail_after(30):
+        await middleware(http_scope(headers=headers), receiving(messages), out)
+    assert out.messages[0]["status"] == 204
+    fp, body = seen
+    assert body == raw
+    assert fp == fingerprint(raw)  # its wire hash: blake3 of the decoded body; its verdict the full parse's
+    assert fp.wire_hash == blake3(raw).hexdigest()
+    assert middleware.stats().idle
