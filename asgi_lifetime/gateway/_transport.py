@@ -28,6 +28,8 @@ import h11
 import httpcore
 import httpx
 
+from ._watched import WatchingBackend
+
 __all__ = [
     "CLOSE_TIMEOUT",
     "GuardedTransport",
@@ -192,6 +194,9 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
+            # Reads while it writes: an upstream's early answer (413, 401, 429...) is relayed, not
+            # lost to a write that blocks or fails (see _watched).
+            network_backend=WatchingBackend(),
         )
 
     def busy(self) -> list[str]:
