@@ -1,5 +1,5 @@
 """ASGI chores, each done once: header field lookup, JSON or not, the mounted path, waiting for a
-disconnect, sending an error. The middleware and the gateway both use them.
+disconnect, work with a task beside it, sending an error. The middleware and the gateway both use them.
 
 ``send_error`` is the one way a request is refused (401, 400, 408, 413, 415, 503): an outer layer
 that puts an observer in the scope under ``REFUSED`` (the gateway's ``Refusals``) hears of each.
@@ -7,10 +7,13 @@ that puts an observer in the scope under ``REFUSED`` (the gateway's ``Refusals``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from typing import Final
 from urllib.parse import unquote
 
+import anyio
+import anyio.abc
 from starlette.types import Receive, Scope, Send
 
 from ._exceptions import LifetimeError, MalformedBody, error_shape
@@ -23,6 +26,7 @@ __all__ = [
     "route_path",
     "send_error",
     "single_field",
+    "task_group",
     "upstream_path",
     "wait_disconnect",
 ]
@@ -112,6 +116,22 @@ async def wait_disconnect(receive: Receive) -> None:
     ``http.request``) is of no interest to a response in progress."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+@asynccontextmanager
+async def task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
+    """A task group for work with tasks beside it: an exception of the block cancels the tasks and is
+    raised as it is, not wrapped in the ExceptionGroup anyio raises (callers catch ``LifetimeError``
+    and its kin by type). An exception of a task is wrapped as anyio does."""
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        try:
+            yield tg
+        except Exception as exc:
+            failure = exc
+            tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
 
 
 async def send_error(

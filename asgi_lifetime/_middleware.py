@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _json
 from ._admission import Admission, Ticket
-from ._asgi import REFUSED, is_json, list_field, route_path, send_error
+from ._asgi import REFUSED, is_json, list_field, route_path, send_error, task_group
 from ._body import parse_content_length, read_body
 from ._exceptions import (
     BodyAborted,
@@ -427,16 +427,10 @@ async def _hash_and_look(
         # One thread: the other core is the look's.
         digest = await anyio.to_thread.run_sync(lambda: blake3(raw).hexdigest())
 
-    looked: tuple[Any, bool | None] | Exception
-    async with anyio.create_task_group() as tg:
+    # A refused look cancels the hash (its thread runs to its end all the same); else the group waits for it.
+    async with task_group() as tg:
         tg.start_soon(hash_raw)
-        try:
-            looked = await _first_look(raw, ticket, handoff)
-        except Exception as exc:  # raised below as it is, not wrapped in the task group's ExceptionGroup
-            looked = exc
-            tg.cancel_scope.cancel()  # the hash is not needed (its thread runs to its end all the same)
-    if isinstance(looked, Exception):
-        raise looked
+        looked = await _first_look(raw, ticket, handoff)
     return digest, *looked
 
 

@@ -14,12 +14,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import anyio
-import anyio.lowlevel
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from .._asgi import is_json, send_error, single_field, upstream_path
+from .._asgi import is_json, send_error, single_field, task_group, upstream_path
 from .._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
 from .._middleware import Lifetime, RequestLifetime
 from .._resources import RequestResources, Resource
@@ -235,7 +233,7 @@ class Forwarder:
     ) -> RelayResult:
         """Relay while the retained body moves to disk: the first byte does not wait for the write,
         and a relay that ends first cancels it (the half-written file is closed at once)."""
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             tg.start_soon(
                 functools.partial(
                     spill,
@@ -247,14 +245,8 @@ class Forwarder:
                     malloc_trim=self.settings.malloc_trim,
                 )
             )
-            try:
-                result: RelayResult | Exception = await relay_response()
-            except Exception as exc:  # raised below as it is, not wrapped in the task group's ExceptionGroup
-                result = exc
-            finally:
-                tg.cancel_scope.cancel()
-        if isinstance(result, Exception):
-            raise result
+            result = await relay_response()
+            tg.cancel_scope.cancel()
         return result
 
     async def _forward(

@@ -52,7 +52,7 @@ import anyio.lowlevel
 import httpx
 from starlette.types import Message, Receive, Send
 
-from .._asgi import wait_disconnect
+from .._asgi import task_group, wait_disconnect
 from .._exceptions import (
     AdmissionRejected,
     ErrorShape,
@@ -632,14 +632,10 @@ class ClientWatch:
     async def watching(cls, receive: Receive, work: Callable[[ClientWatch], Awaitable[_T]]) -> _T:
         """Run ``work(watch)`` while a new watch's task watches the client; the task ends with ``work``.
         ``work``'s exception is raised as it is, not wrapped in the task group's ExceptionGroup."""
-        result: _T | Exception
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             watch = cls(receive)
             tg.start_soon(watch.run)
-            try:
-                result = await work(watch)
-            except Exception as exc:
-                result = exc
+            result = await work(watch)
             if watch.running and watch.answered:
                 # The server reports a disconnect once the response is complete (ASGI): the watch ends by
                 # itself at the next loop turn. Cheaper than cancelling it (anyio formats the cancelling
@@ -647,8 +643,6 @@ class ClientWatch:
                 await anyio.lowlevel.checkpoint()
             if watch.running:
                 tg.cancel_scope.cancel()
-        if isinstance(result, Exception):
-            raise result
         return result
 
     @contextlib.contextmanager
