@@ -77,6 +77,8 @@ nests a few levels (message, parts, a tool result's parts), each decoded once mo
 _DIGITS: Final = b"0123456789"
 _SPACE: Final = re.compile(rb"[ \t\n\r]*")
 _QUOTE, _ARRAY, _OBJECT, _NULL = ord('"'), ord("["), ord("{"), ord("n")
+_SCALAR_STARTS: Final = frozenset(b"-0123456789tf")
+"""First bytes of a number or a boolean: values that are not text."""
 
 _ABSENT: Final = msgspec.Raw(b"")
 """A field's default: no JSON value is empty, so a field still holding it was not in the object."""
@@ -333,6 +335,10 @@ def _comparable(value: msgspec.Raw) -> bool:
         return True
     if first != _ARRAY and first != _OBJECT:
         return False
+    if first == _ARRAY and _first_leaf(value) in _SCALAR_STARTS:
+        # Its first item is (or begins, down nested arrays, with) a number or a boolean: not comparable,
+        # whatever follows. Token ids (``[[1734, 290, ...], ...]``) are judged so without one view per id.
+        return False
     _spend(len(value))
     left = _left()
     try:
@@ -356,6 +362,16 @@ def _comparable(value: msgspec.Raw) -> bool:
         raise _Unsure from None
     finally:
         _grant(left)  # what was decoded here is gone
+
+
+def _first_leaf(value: msgspec.Raw) -> int:
+    """The first byte of the first item of ``value`` (an array) that is not itself an array, down the
+    leading ``[``; ``]`` if that array is empty. The top-level decode has checked the syntax."""
+    view = memoryview(value)
+    at = 0
+    while view[at] == _ARRAY:
+        at = _skip_space(view, at + 1)
+    return view[at]
 
 
 def _utf8(raw: bytes) -> bool:
@@ -448,7 +464,7 @@ def _last(raw: bytes, end: int, key: str) -> bool:
     return getattr(_top_views.decode(b"".join((b"{", memoryview(raw)[comma + 1 :]))), key) is _ABSENT
 
 
-def _skip_space(raw: bytes, at: int) -> int:
+def _skip_space(raw: bytes | memoryview, at: int) -> int:
     """Where the JSON whitespace from ``raw[at]`` on ends."""
     found = _SPACE.match(raw, at)  # "[ \t\n\r]*" always matches
     return found.end() if found is not None else at

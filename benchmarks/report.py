@@ -127,6 +127,8 @@ def write_report(results: dict[str, Any], out: Path, *, plots: bool, redraw: fro
         _sessions(results, add)
     if "agents" in results:
         _agents(results, add, out, plots, draw=plots and (redraw is None or "agents" in redraw))
+    if "parse" in results:
+        _parse(results, add)
     _changes(add)
     (out / "benchmarks.md").write_text("\n".join(lines) + "\n")
 
@@ -286,6 +288,8 @@ def _targets(results: dict[str, Any], add: Any) -> None:
                 ratio <= 0.25,
             )
         )
+    if "parse" in results:
+        rows.append(_parse_target(results["parse"]))
     add("| target | measured | verdict |")
     add("|---|---|---|")
     for name, measured, ok in rows:
@@ -298,6 +302,42 @@ def _targets(results: dict[str, Any], add: Any) -> None:
         for line in misses:
             add(f"- {line}")
         add("")
+
+
+def _working_set(row: dict[str, Any]) -> float:
+    """What the gateway allocates judging the row's body, as a multiple of it: the look, and the full
+    parse where it would run (the look gave up, or the app or a preparer needs the parse)."""
+    return float(max(row["look_peak"], row["parse_peak"] or 0) / row["size"])
+
+
+def _parse_target(parse: dict[str, Any]) -> tuple[str, str, bool]:
+    rows = parse["rows"]
+    look = max(rows, key=lambda r: r["look_peak"] / r["size"])
+    worst = max(rows, key=_working_set)
+    return (
+        f"parse working set <= 4x body, any shape ({parse['size'] / MiB:.0f} MiB, {len(rows)} shapes)",
+        f"the lazy look at most {look['look_peak'] / look['size']:.2f}x; with the full parse where it runs "
+        f"{_working_set(worst):.2f}x ({worst['shape']}); section 11",
+        _working_set(worst) <= 4,
+    )
+
+
+def _parse_miss(parse: dict[str, Any]) -> str:
+    rows = parse["rows"]
+    ratio = rows[0]["parse_ratio"]
+    look = max(r["look_peak"] / r["size"] for r in rows)
+    over = [r for r in rows if _working_set(r) > 4]
+    named = "; ".join(f"{r['shape']}: {_working_set(r):.2f}x" for r in over)
+    return (
+        f"*Parse working set*: the lazy look, which judges every body first, stays within {look:.2f}x on every "
+        "shape (its budget is 1x: past it, it gives up rather than take more). Where it gives up, or where the "
+        "app or a preparer needs the parse, the full parse runs if its estimate (`parse_cost`) is within "
+        f"`PARSE_RATIO` {ratio} (the body and its parse together: up to {ratio - 1}x for the parse) and is refused "
+        "above it (413 `body_too_complex`; the body forwarded as received, judged not comparable, when nothing "
+        f"needs its parse). Parsed above 4x, when the app or a preparer needs the parse: {named}. A pre-tokenized embeddings input is a legitimate request "
+        "whose parse is a Python int and its list slot (about 36 bytes) per 6 bytes of body: a 4x bound would "
+        "refuse it with 413 whenever the app or a preparer needs the parse (section 11)."
+    )
 
 
 def _largest_turns_note(results: dict[str, Any]) -> str:
@@ -371,11 +411,15 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
         elif name.startswith("TTFB"):
             t = {k: statistics.median(v) for k, v in results["ttfb"]["times"].items()}
             changed = "unchanged" not in name
+            look = results["ttfb"].get("look_s")
+            timed = f", {look * 1000:.0f} ms when timed alone on this body" if look is not None else ""
             lines.append(
                 f"*{name}*: the bare forwarder, which only reads and sends, is at {t['bare'] / t['ordinary']:.2f}x "
                 f"the ordinary proxy in this run; the gateway at {t['gw_unchanged'] / t['bare']:.2f}x the bare "
-                "forwarder with the body unchanged (it also hashes the body and judges it: one typed msgspec pass, "
-                "about 57 ms of CPU for this body, which must be known valid before a byte is sent)"
+                f"forwarder with the body unchanged ({(t['gw_unchanged'] - t['bare']) * 1000:.0f} ms more). Between "
+                f"reading and sending it judges the body (the lazy look: one typed msgspec pass and a UTF-8 check"
+                f"{timed}; the hash runs beside it), and the look must end before the first byte goes upstream: "
+                "a body it finds invalid is refused with nothing forwarded, so the send cannot start beside it"
                 + (
                     f" and {t['gw_on'] / t['bare']:.2f}x with a message inserted (spliced without a copy: the "
                     "added message and views of the received bytes)"
@@ -384,6 +428,8 @@ def _misses(results: dict[str, Any], missed: list[str]) -> list[str]:
                 )
                 + " (section 4)."
             )
+        elif name.startswith("parse working set"):
+            lines.append(_parse_miss(results["parse"]))
         elif name.startswith("steady"):
             lines.append("*Steady state*: see section 2.")
         elif name.startswith("overload"):
@@ -683,6 +729,37 @@ def _ttfb(results: dict[str, Any], add: Any) -> None:
         "views of the received bytes and the message, sent slice by slice). The ordinary proxy joins the chunks, "
         "decodes and parses with `json`, serializes with `json.dumps` and encodes."
     )
+    add("")
+
+
+def _parse(results: dict[str, Any], add: Any) -> None:
+    rows = results["parse"]["rows"]
+    add("## 11. The parse working set by body shape")
+    add("")
+    add(
+        "In-process, one body per shape at the same size (`benchmarks/parse_shapes.py`). *The look*: `_lazy.shape`, "
+        "the verdict without the parse (none where it cannot vouch for the body within its budget of 1x) and "
+        "its working set (tracemalloc's peak, the body not counted). *Estimate*: `_parse.parse_cost`, what the "
+        "gateway charges to the request and refuses by before a full parse runs; *parsed*: the full parse's own "
+        "working set where the estimate is within `PARSE_RATIO` and the gateway would run it."
+    )
+    add("")
+    add("| shape | body | the look's verdict | the look | estimate | parsed | the gateway, nothing needing the parse |")
+    add("|---|---|---|---|---|---|---|")
+    for r in rows:
+        size = r["size"]
+        verdict = {True: "comparable", False: "not comparable", None: "none (gave up)"}[r["verdict"]]
+        parsed = "refused" if r["parse_peak"] is None else f"{r['parse_peak'] / size:.2f}x"
+        if r["verdict"] is not None:
+            does = "judged by the look"
+        elif r["parse_peak"] is not None:
+            does = "parsed in full to judge it"
+        else:
+            does = "forwarded as received, not comparable (413 if something needs the parse)"
+        add(
+            f"| {r['shape']} | {size / MiB:.1f} MiB | {verdict} | {r['look_peak'] / size:.2f}x | "
+            f"{r['estimate'] / size:.2f}x | {parsed} | {does} |"
+        )
     add("")
 
 

@@ -67,6 +67,7 @@ class Mode:
     plots: bool
     retain_size: int = 64  # MiB, section 7: RETAIN_OUTBOUND disk vs memory vs off
     retain_rounds: int = 3
+    parse_size: int = 16  # MiB, section 11: the parse working set by body shape
 
 
 MODES = {
@@ -135,6 +136,7 @@ MODES = {
         False,
         retain_size=2,
         retain_rounds=1,
+        parse_size=1,
     ),
 }
 
@@ -497,7 +499,16 @@ async def bench_ttfb(mode: Mode, results: dict[str, Any]) -> None:
                 server.__exit__(None, None, None)
     for key in keys:
         log(f"ttfb {key}: median {statistics.median(times[key]):.3f} s")
-    results["ttfb"] = {"size": len(body), "times": times}
+    # The gateway's own step between reading and sending, timed alone on the same body (in this process).
+    from asgi_lifetime._lazy import shape
+
+    look = []
+    for _ in range(5):
+        started = time.perf_counter()
+        shape(body)
+        look.append(time.perf_counter() - started)
+    log(f"ttfb lazy look alone: median {statistics.median(look) * 1000:.0f} ms")
+    results["ttfb"] = {"size": len(body), "times": times, "look_s": statistics.median(look)}
 
 
 # -- 5. fingerprint cost -----------------------------------------------------------------------------------
@@ -593,6 +604,24 @@ def bench_codec(mode: Mode, results: dict[str, Any]) -> None:
     results["codec"] = {"rows": rows, "trim": trims}
 
 
+# -- 11. The parse working set by body shape ------------------------------------------------------------------
+
+
+def bench_parse(mode: Mode, results: dict[str, Any]) -> None:
+    from benchmarks.parse_shapes import SHAPES, measure
+
+    rows = []
+    for name in SHAPES:
+        row = measure(name, mode.parse_size * MiB)
+        rows.append(row)
+        parsed = "refused" if row["parse_peak"] is None else f"{row['parse_peak'] / row['size']:.2f}x"
+        log(
+            f"parse {name}: look {row['verdict']} {row['look_peak'] / row['size']:.2f}x, "
+            f"estimate {row['estimate'] / row['size']:.2f}x, parse {parsed}"
+        )
+    results["parse"] = {"size": mode.parse_size * MiB, "rows": rows}
+
+
 # -- the report --------------------------------------------------------------------------------------------
 
 
@@ -634,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated: memory,steady,overhead,ttfb,fingerprint,codec,overload,retain,sessions,agents",
+        help="comma-separated: memory,steady,overhead,ttfb,fingerprint,codec,overload,retain,sessions,agents,parse",
     )
     parser.add_argument(
         "--before",
@@ -684,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
             "agents",
             lambda: anyio.run(functools.partial(bench_agents, mode.name, results, log, seconds=args.agents_seconds)),
         ),
+        ("parse", lambda: bench_parse(mode, results)),
     ]
     for name, step in steps:
         if only and name not in only:

@@ -233,6 +233,52 @@ def test_commas_in_the_text_cost_nothing() -> None:
     assert peak_of(raw)[1] < len(raw) // 4
 
 
+def _large(value: Any, key: str = "input") -> bytes:
+    """``{key: value}`` padded past ``_SMALL`` (so the walk, not the full parse, judges it)."""
+    return compact({"model": "m", "pad": "x" * (2 * _lazy._SMALL), key: value})
+
+
+# Arrays whose first leaf (down leading "[") is a number or a boolean, and arrays where it is not: the
+# first are judged from that byte, the others walked as before. Spacing inside the leading "[" too.
+# The flag: the walk answers for the large body (a float only the standard library reads: the full
+# parse decides, as before).
+FIRST_LEAF = [
+    pytest.param(b'{"input":[[1734,290],[5]]}', True, id="token rows"),
+    pytest.param(b'{"input":[ [ \n\t-0.5, 2] ]}', True, id="spaced negative float"),
+    pytest.param(b'{"input":[[[true]]]}', True, id="boolean three deep"),
+    pytest.param(b'{"input":[false,"a"]}', True, id="boolean then text"),
+    pytest.param(b'{"input":[[],[1]]}', True, id="empty first row"),
+    pytest.param(b'{"input":[[],[]]}', True, id="empty rows only"),
+    pytest.param(b'{"input":["a",1]}', True, id="text then a number"),
+    pytest.param(b'{"input":[null,[2]]}', True, id="null then a number"),
+    pytest.param(b'{"input":[{"type":"text","text":"a"},[3]]}', True, id="object then a row"),
+    pytest.param(b'{"messages":[{"role":"user","content":[[7,8]]}]}', True, id="ids in a message"),
+    pytest.param(b'{"messages":[{"role":"user","content":[["a"],[7]]}]}', True, id="text row then ids in a message"),
+    pytest.param(b'{"input":[[1e400]]}', False, id="a float only the standard library reads"),
+]
+
+
+@pytest.mark.parametrize(("raw", "answered"), FIRST_LEAF)
+def test_arrays_are_judged_from_their_first_leaf_as_the_full_parse_judges_them(raw: bytes, answered: bool) -> None:
+    doc = json.loads(raw)
+    for body in (raw, _large(doc.get("input"), "input") if "input" in doc else _large(doc["messages"], "messages")):
+        answers = agrees(body)
+        if body is not raw and answered:  # large: the walk answers (token rows gave up at their views' cost)
+            assert all(answer is not None for answer in answers), answers
+
+
+def test_token_ids_are_judged_without_a_view_per_id() -> None:
+    """Pre-tokenized input (the OpenAI SDK's embeddings ``input``): judged "not comparable" from its
+    first id, where one view per id (64 bytes per 5 bytes of body) gave up and left it to the full parse,
+    a Python int per id (about 6x the body)."""
+    rng = random.Random(0)
+    rows = [[rng.randrange(10_000, 100_000) for _ in range(512)] for _ in range(400)]
+    raw = compact({"model": "text-embedding-3-small", "input": rows})
+    found, peak = peak_of(raw)
+    assert found == reference(raw) == Shape(False, "input")
+    assert peak < len(raw) // 50, (peak, len(raw))
+
+
 def peak_of(raw: bytes) -> tuple[Shape | None, int]:
     """``shape(raw)`` and tracemalloc's peak while it ran."""
     tracemalloc.start()

@@ -284,9 +284,11 @@ def test_sdk_bodies_too_costly_to_parse_are_forwarded_without_preparers_and_refu
     with_preparer: bool,
 ) -> None:
     """Without preparers the gateway forwards them as sent; with one (even ``@without_parse``) a body the
-    lazy look cannot vouch for within its budget would have to be parsed first, which is too costly: a
-    413 the SDK raises, nothing forwarded. The completion's prompt of token ids is judged without its
-    parse (it has no conversation to add to): forwarded as sent."""
+    lazy look cannot vouch for within its budget (a message of 100,000 one-letter blocks) would have to
+    be parsed first, which is too costly: a 413 the SDK raises, nothing forwarded. Token ids are judged
+    by the look from their first id (not text), without a view per id: the embeddings input is an
+    ``input`` array to the preparer, as in a small body (the policy's message goes first), and the
+    completion's prompt (no conversation to add to) is forwarded as sent."""
     import anthropic
     import openai
 
@@ -319,16 +321,18 @@ def test_sdk_bodies_too_costly_to_parse_are_forwarded_without_preparers_and_refu
                     return ant.messages.with_raw_response.create(model="claude", max_tokens=1, messages=conversation)
 
                 for call in (embeddings, completions, messages):
-                    if with_preparer and call is not completions:
+                    if with_preparer and call is messages:
                         with pytest.raises((openai.APIStatusError, anthropic.APIStatusError)) as raised:
                             call()
                         error: Any = raised.value
                         assert error.status_code == 413 and "body_too_complex" in error.response.text
                     else:
                         assert call().status_code == 200
-                assert len(upstream.bodies) == (1 if with_preparer else 3)
+                assert len(upstream.bodies) == (2 if with_preparer else 3)
+                policy_first = [{"role": "system", "content": "policy"}] if with_preparer else []
+                assert json.loads(upstream.bodies[0])["input"] == policy_first + tokens
+                assert json.loads(upstream.bodies[1])["prompt"] == tokens[0] * 62
                 if not with_preparer:
-                    assert json.loads(upstream.bodies[0])["input"] == tokens
                     assert json.loads(upstream.bodies[2])["messages"][0]["content"] == blocks
             stats = httpx.get(f"{url}/lifetime/stats").json()
             assert stats["inflight_requests"] == 0 and stats["inflight_bytes"] == 0
