@@ -130,8 +130,13 @@ async def task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
         except Exception as exc:
             failure = exc
             tg.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
+    try:
+        if failure is not None:
+            raise failure
+    finally:
+        # Its traceback holds this frame: kept in a local here, the error (and the frames it went
+        # through, with the request's body) would live on in a cycle until the collector found it.
+        failure = None
 
 
 async def send_error(

@@ -26,7 +26,7 @@ from ._exceptions import (
 )
 from ._fingerprint import Fingerprint, fingerprint, wire_hash
 from ._lazy import DeferredParse, inspect_body
-from ._parse import THREAD_THRESHOLD, offload, parse_body
+from ._parse import THREAD_THRESHOLD, in_thread, offload, parse_body
 from ._resources import RequestResources, Resource
 from ._settings import LifetimeSettings
 from ._stats import Counters, LifetimeStats
@@ -421,16 +421,26 @@ async def _hash_and_look(
     if len(raw) < THREAD_THRESHOLD:
         return wire_hash(raw), *await _first_look(raw, ticket, handoff)
     digest = ""
+    failure: Exception | None = None  # the hash's: raised as it is, not wrapped in the group's ExceptionGroup
 
     async def hash_raw() -> None:
-        nonlocal digest
-        # One thread: the other core is the look's.
-        digest = await anyio.to_thread.run_sync(lambda: blake3(raw).hexdigest())
+        nonlocal digest, failure
+        try:
+            # One thread: the other core is the look's.
+            digest = await in_thread(lambda: blake3(raw).hexdigest())
+        except Exception as exc:
+            failure = exc
+            tg.cancel_scope.cancel()  # the look is not needed (its thread runs to its end all the same)
 
     # A refused look cancels the hash (its thread runs to its end all the same); else the group waits for it.
     async with task_group() as tg:
         tg.start_soon(hash_raw)
         looked = await _first_look(raw, ticket, handoff)
+    try:
+        if failure is not None:
+            raise failure
+    finally:
+        failure = None  # its traceback holds this frame, which holds the body: no cycle through the cell
     return digest, *looked
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "PARSE_SLACK",
     "THREAD_THRESHOLD",
     "charge_for",
+    "in_thread",
     "offload",
     "parse_body",
     "parse_cost",
@@ -252,7 +253,41 @@ async def offload(size: int, function: Callable[[], T]) -> T:
     """``function()``, in a worker thread when it works on ``size`` bytes from ``THREAD_THRESHOLD`` on."""
     if size < THREAD_THRESHOLD:
         return function()
-    return await anyio.to_thread.run_sync(function)
+    return await in_thread(function)
+
+
+async def in_thread(function: Callable[[], T]) -> T:
+    """``function()`` in a worker thread; what it raises is raised here, its traceback whole.
+
+    It is caught in the thread and handed back as a value: raised through anyio's (or trio's)
+    machinery, the exception is kept in a reference cycle (anyio's future, trio's outcome closures),
+    with the frames of its traceback and so the body, after the request settled, until the
+    collector found it."""
+    result = await anyio.to_thread.run_sync(_capture, function)
+    if isinstance(result, _Raised):
+        raise result.take()
+    return result
+
+
+class _Raised:
+    """An exception raised in a worker thread, handed back to be raised in the event loop."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error: Exception | None = error
+
+    def take(self) -> Exception:
+        error, self.error = self.error, None  # held by nobody here once raised: no cycle through this
+        assert error is not None  # taken once
+        return error
+
+
+def _capture(function: Callable[[], T]) -> T | _Raised:
+    try:
+        return function()
+    except Exception as exc:
+        return _Raised(exc)
 
 
 async def parse_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) -> Any:
