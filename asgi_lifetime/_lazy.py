@@ -19,8 +19,10 @@ skips, the UTF-8 of the whole body is checked once (``_utf8``, skipping ASCII ru
 of digits longer than ``int()`` converts is left to the full parse (``_long_digit_run``).
 Whatever it cannot vouch for returns ``None``: not an object at the top, invalid JSON or UTF-8,
 what only the standard library accepts (``NaN``, lone surrogate escapes), a body nested past
-msgspec's depth limit. Duplicate keys are decoded as the full parse does: the last one counts,
-the others are checked like any value.
+msgspec's depth limit or within ``_DEPTH_MARGIN`` levels of it (that limit is what is left of the
+recursion limit where the decode runs: the full parse, run a few calls deeper, could refuse it).
+Duplicate keys are decoded as the full parse does: the last one counts, the others are checked
+like any value.
 
 Memory: the walk counts what it holds as it decodes it (``_Node.__post_init__``: a node and its
 views; a piece decoded whole, what ``_parse.parse_cost`` says it takes) and gives up (``None``: the
@@ -32,6 +34,7 @@ level of nesting) is counted too (``_spend``); past ``_PASSES`` times the body i
 from __future__ import annotations
 
 import codecs
+import functools
 import itertools
 import operator
 import re
@@ -79,6 +82,13 @@ _SPACE: Final = re.compile(rb"[ \t\n\r]*")
 _QUOTE, _ARRAY, _OBJECT, _NULL = ord('"'), ord("["), ord("{"), ord("n")
 _SCALAR_STARTS: Final = frozenset(b"-0123456789tf")
 """First bytes of a number or a boolean: values that are not text."""
+_DEPTH_MARGIN: Final = 32
+"""The walk's top-level decode runs this many calls further down the stack than it was called from.
+msgspec's depth limit is what is left of the recursion limit where it runs: a body nested within a
+few levels of it decodes from one call site and not from another. The full parse may run a few calls
+deeper (``parse_body``, ``DeferredParse.parse`` from a preparer): what decodes here with this much
+less room decodes there too, so the walk never vouches for a body the full parse refuses as too deep
+(nothing below the top level is decoded again when an array is judged by its first leaf)."""
 
 _ABSENT: Final = msgspec.Raw(b"")
 """A field's default: no JSON value is empty, so a field still holding it was not in the object."""
@@ -240,11 +250,7 @@ def shape(raw: bytes) -> Shape | None:
     _grant(lazy_cost(raw))
     _allowance.work = _PASSES * len(raw)
     try:
-        try:
-            found = _typed(_decode(_tops, raw))
-        except msgspec.ValidationError:  # a conversation that is not a list of objects, or not an object at all
-            _grant(lazy_cost(raw))  # the nodes decoded so far are gone
-            found = _viewed(_decode(_top_views, raw))
+        found = _deeper(_DEPTH_MARGIN, lambda: _look(raw))
         if not _utf8(raw) or _long_digit_run(raw):
             return None
     except (_Unsure, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
@@ -252,6 +258,24 @@ def shape(raw: bytes) -> Shape | None:
     finally:
         _grant(0)
     return found
+
+
+def _look(raw: bytes) -> Shape:
+    """The verdict from the top-level decode (typed, else as views), as ``shape`` gives it."""
+    try:
+        return _typed(_decode(_tops, raw))
+    except msgspec.ValidationError:  # a conversation that is not a list of objects, or not an object at all
+        _grant(lazy_cost(raw))  # the nodes decoded so far are gone
+        return _viewed(_decode(_top_views, raw))
+
+
+def _deeper(calls: int, function: Callable[[], T]) -> T:
+    """``function()``, ``calls`` calls further down the stack (``_DEPTH_MARGIN``). Each goes through
+    ``functools.partial`` (C) into Python: it takes a level of the recursion limit msgspec counts
+    against, on every Python version (from 3.12, Python-to-Python calls no longer take one)."""
+    if calls <= 0:
+        return function()
+    return functools.partial(_deeper, calls - 1, function)()
 
 
 async def inspect_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) -> Shape | None:
