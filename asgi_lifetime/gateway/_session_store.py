@@ -264,15 +264,12 @@ def leases_key(key: bytes) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Take:
+class _LeaseOp:
+    """Take (``take``) or give back a session's lease ``member``."""
+
     key: bytes
     member: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Give:
-    key: bytes
-    member: str
+    take: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +309,7 @@ class _Reclaim:
     the same body re-sent to another replica is not a change again."""
 
 
-_Op = _Take | _Give | _Record | _Unclaim | _Reclaim
+_Op = _LeaseOp | _Record | _Unclaim | _Reclaim
 _State = Literal["idle", "starting", "up", "down"]
 
 
@@ -482,13 +479,13 @@ class RedisSessionBook(SessionBook):
         key = session_key(session_id)
         member = f"{self._replica}:{next(self._serial)}"
         self._leases[member] = key  # renewed by the task from now on, even if the op below is dropped
-        self._submit(_Take(key, member))
+        self._submit(_LeaseOp(key, member, take=True))
         return _Lease(self, unpin, member)
 
     def _end_lease(self, member: str) -> None:
         key = self._leases.pop(member, None)
         if key is not None:
-            self._submit(_Give(key, member))  # if dropped, the lease runs out: nobody renews it now
+            self._submit(_LeaseOp(key, member, take=False))  # if dropped, the lease runs out: nobody renews it now
 
     async def claim(self, session_id: str, fingerprint: Fingerprint, started: float) -> Claim | None:
         """At admission: ask Redis whether this request carries its session's change (one script call).
@@ -685,12 +682,12 @@ class RedisSessionBook(SessionBook):
 
     async def _queue_op(self, conn: _Conn, pipe: Pipeline, op: _Op) -> None:
         """Add ``op`` to ``pipe`` (nothing is sent yet). A record's answer: {changed, synced hash or ''}."""
-        if isinstance(op, _Take):
-            keys = [leases_key(op.key), entry_key(op.key)]
-            await conn.renew(keys=keys, args=[self._lease_ms, self._ttl_ms, 1, op.member], client=pipe)
-            return
-        if isinstance(op, _Give):
-            pipe.zrem(leases_key(op.key), op.member)
+        if isinstance(op, _LeaseOp):
+            if op.take:
+                keys = [leases_key(op.key), entry_key(op.key)]
+                await conn.renew(keys=keys, args=[self._lease_ms, self._ttl_ms, 1, op.member], client=pipe)
+            else:
+                pipe.zrem(leases_key(op.key), op.member)
             return
         if isinstance(op, _Unclaim):
             await conn.unclaim(keys=[entry_key(op.key)], args=[op.wire_hash], client=pipe)
