@@ -26,7 +26,7 @@ from ._exceptions import (
 )
 from ._fingerprint import Fingerprint, fingerprint, wire_hash
 from ._lazy import DeferredParse, inspect_body
-from ._parse import THREAD_THRESHOLD, in_thread, offload, parse_body
+from ._parse import THREAD_THRESHOLD, Raised, in_thread_caught, offload, parse_body
 from ._resources import RequestResources, Resource
 from ._settings import LifetimeSettings
 from ._stats import Counters, LifetimeStats
@@ -420,28 +420,23 @@ async def _hash_and_look(
         return await offload(len(raw), lambda: wire_hash(raw)), _NOT_PARSED, None
     if len(raw) < THREAD_THRESHOLD:
         return wire_hash(raw), *await _first_look(raw, ticket, handoff)
-    digest = ""
-    failure: Exception | None = None  # the hash's: raised as it is, not wrapped in the group's ExceptionGroup
+    hashed: str | Raised = ""
 
     async def hash_raw() -> None:
-        nonlocal digest, failure
-        try:
-            # One thread: the other core is the look's.
-            digest = await in_thread(lambda: blake3(raw).hexdigest())
-        except Exception as exc:
-            failure = exc
+        nonlocal hashed
+        # One thread: the other core is the look's. Its error comes back as a value, raised below as
+        # itself (not wrapped in the group's ExceptionGroup, and held by no cycle with the body).
+        hashed = await in_thread_caught(lambda: blake3(raw).hexdigest())
+        if isinstance(hashed, Raised):
             tg.cancel_scope.cancel()  # the look is not needed (its thread runs to its end all the same)
 
     # A refused look cancels the hash (its thread runs to its end all the same); else the group waits for it.
     async with task_group() as tg:
         tg.start_soon(hash_raw)
         looked = await _first_look(raw, ticket, handoff)
-    try:
-        if failure is not None:
-            raise failure
-    finally:
-        failure = None  # its traceback holds this frame, which holds the body: no cycle through the cell
-    return digest, *looked
+    if isinstance(hashed, Raised):
+        raise hashed.take()
+    return hashed, *looked
 
 
 async def _first_look(raw: bytes, ticket: Ticket, handoff: bool | Literal["on_demand"]) -> tuple[Any, bool | None]:

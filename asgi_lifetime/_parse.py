@@ -41,8 +41,10 @@ __all__ = [
     "PARSE_RATIO",
     "PARSE_SLACK",
     "THREAD_THRESHOLD",
+    "Raised",
     "charge_for",
     "in_thread",
+    "in_thread_caught",
     "offload",
     "parse_body",
     "parse_cost",
@@ -263,13 +265,19 @@ async def in_thread(function: Callable[[], T]) -> T:
     machinery, the exception is kept in a reference cycle (anyio's future, trio's outcome closures),
     with the frames of its traceback and so the body, after the request settled, until the
     collector found it."""
-    result = await anyio.to_thread.run_sync(_capture, function)
-    if isinstance(result, _Raised):
+    result = await in_thread_caught(function)
+    if isinstance(result, Raised):
         raise result.take()
     return result
 
 
-class _Raised:
+async def in_thread_caught(function: Callable[[], T]) -> T | Raised:
+    """``function()`` in a worker thread; what it raises comes back as a ``Raised``, for a caller that
+    raises it later with ``take()`` (see ``in_thread``)."""
+    return await anyio.to_thread.run_sync(_capture, function)
+
+
+class Raised:
     """An exception raised in a worker thread, handed back to be raised in the event loop."""
 
     __slots__ = ("error",)
@@ -283,11 +291,11 @@ class _Raised:
         return error
 
 
-def _capture(function: Callable[[], T]) -> T | _Raised:
+def _capture(function: Callable[[], T]) -> T | Raised:
     try:
         return function()
     except Exception as exc:
-        return _Raised(exc)
+        return Raised(exc)
 
 
 async def parse_body(raw: bytes, *, charge: Callable[[int], Awaitable[None]]) -> Any:
