@@ -65,6 +65,27 @@ def body_receive(body: bytes) -> Receive:
     return receiving([{"type": "http.request", "body": body, "more_body": False}])
 
 
+class Recorder:
+    """A ``send`` that records the messages of the response."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+
+    async def __call__(self, message: Message) -> None:
+        self.messages.append(message)
+
+    @property
+    def status(self) -> int | None:
+        for message in self.messages:
+            if message["type"] == "http.response.start":
+                return int(message["status"])
+        return None
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body")
+
+
 @dataclass
 class Connection:
     """The server side of one ASGI connection: feeds ``body`` in ``chunk``-sized messages, then keeps the

@@ -34,7 +34,7 @@ from asgi_lifetime import (
 )
 from asgi_lifetime._stats import GAUGES
 
-from ._asgi import body_receive, http_scope, json_scope, receiving
+from ._asgi import Recorder, body_receive, http_scope, json_scope, receiving
 from ._spy import spy_parse
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -198,21 +198,6 @@ async def test_admission_timeout_is_503_with_retry_after() -> None:
 
 # Raw ASGI drivers: the transport-level paths (disconnects, cancellation) are easier to
 # produce exactly without an HTTP client in between.
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.messages: list[Message] = []
-
-    async def __call__(self, message: Message) -> None:
-        self.messages.append(message)
-
-    @property
-    def status(self) -> int | None:
-        for message in self.messages:
-            if message["type"] == "http.response.start":
-                return int(message["status"])
-        return None
 
 
 async def body_app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -38,7 +38,7 @@ from asgi_lifetime import LifetimeMiddleware, LifetimeSettings, _lazy, _middlewa
 from asgi_lifetime._parse import THREAD_THRESHOLD
 from asgi_lifetime.testing import serve_in_thread
 
-from .._asgi import http_scope, receiving
+from .._asgi import Recorder, http_scope, receiving
 from .test_faults import eventually
 
 pytestmark = pytest.mark.anyio
@@ -58,22 +58,6 @@ def chat(size: int) -> bytes:
     raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (size - empty)}]}).encode()
     assert len(raw) == size
     return raw
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.messages: list[Message] = []
-
-    async def __call__(self, message: Message) -> None:
-        self.messages.append(message)
-
-    @property
-    def status(self) -> int:
-        return int(self.messages[0]["status"])
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(m.get("body", b"") for m in self.messages[1:])
 
 
 def request(raw: bytes, encoding: str | None = None, chunk: int = 64 * KiB) -> tuple[Scope, Receive]:
