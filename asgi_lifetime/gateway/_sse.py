@@ -199,6 +199,10 @@ class SSEParser:
         Afterwards ``boundary`` is the offset in ``chunk`` just after its last event boundary
         (0 if only its start is one, -1 if none is): ``chunk[:boundary]`` ends a whole event.
         """
+        if self._first and chunk and not self._line_size and not BOM.startswith(chunk[: len(BOM)]):
+            # The stream does not start with a BOM: its first line is read like any other (the first
+            # chunk is often the whole of a short stream).
+            self._first = False
         if self._line_size or self._skip_lf or self._first or len(chunk) > self.limit or b"\r" in chunk:
             return self._feed_any(chunk)
         # The usual chunk (the relay's guard parses every chunk of every stream): whole

@@ -318,6 +318,25 @@ def test_a_usual_chunk_takes_the_short_way(monkeypatch: pytest.MonkeyPatch) -> N
     assert general == [b"\n\n", b"data: a\r\n\r\n", b"data: 123456\n"]
 
 
+def test_a_first_chunk_without_a_bom_takes_the_short_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first chunk is often the whole of a short stream: only one that starts with a BOM, or with a piece
+    # of one (the rest may follow), needs the general way, which strips it.
+    general: list[bytes] = []
+    feed_any = SSEParser._feed_any
+
+    def counting(self: SSEParser, chunk: bytes) -> list[SSEEvent]:
+        general.append(chunk)
+        return feed_any(self, chunk)
+
+    monkeypatch.setattr(SSEParser, "_feed_any", counting)
+    assert SSEParser().feed(b"data: a\n\ndata: b\n\n") == [SSEEvent(data="a"), SSEEvent(data="b")]
+    assert general == []
+    assert SSEParser().feed(b"\xef\xbb\xbfdata: a\n\n") == [SSEEvent(data="a")]
+    split = SSEParser()
+    assert split.feed(b"\xef") == [] and split.feed(b"\xbb\xbfdata: a\n\n") == [SSEEvent(data="a")]
+    assert general == [b"\xef\xbb\xbfdata: a\n\n", b"\xef", b"\xbb\xbfdata: a\n\n"]
+
+
 def test_sse_event_round_trip() -> None:
     data = {"error": {"message": "line\nbreak \u2028 ü", "code": "upstream_stalled"}}
     raw = sse_event("error", data)
