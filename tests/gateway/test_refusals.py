@@ -131,7 +131,10 @@ async def test_a_body_that_stops_arriving_is_logged_and_counted(caplog: pytest.L
     assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
     [line] = _access(caplog)
     assert (line["status"], line["code"]) == (408, "request_timeout")
-    assert line["duration_ms"] >= FAST["body_idle_timeout"] * 1000  # it waited for the body that long
+    # It waited for the body that long. Not to the millisecond: the idle timeout runs on the event loop's
+    # clock, and uvloop's (the server's) is cached at each loop turn, so it may fire a little before
+    # time.monotonic() says the timeout has passed since arrival (a clean-clone CI run saw 499.9 ms).
+    assert line["duration_ms"] >= FAST["body_idle_timeout"] * 1000 * 0.9
     assert _refused(metrics) == {("408", "request_timeout"): 1.0}
 
 
