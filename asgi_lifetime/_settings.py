@@ -635,12 +635,18 @@ def _show(spec: SettingSpec, value: Any) -> str:
 def redact_url(url: str) -> str:
     """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), and any query or
     fragment (where keys travel: ``?key=``, ``?password=``) by ``***``, for output."""
-    url = re.sub(r"[?#].*", "?***", url, count=1, flags=re.DOTALL)
-    try:
-        base, userinfo = _split_url(url)
-    except ValueError:
-        return url if "@" not in url else "(unreadable URL)"
-    return _join_userinfo(base, _mask(userinfo))
+    # The user info is whatever precedes the last "@", read without urlsplit: a password with a "/",
+    # "?" or "#" (base64 has "/") ends urlsplit's netloc early, and a mistyped scheme ("redis//",
+    # none at all) leaves no netloc; either way the password would be shown whole.
+    head, at, rest = url.rpartition("@")
+    if at:
+        scheme, sep, userinfo = head.partition("://")
+        if not sep:
+            scheme, userinfo = "", head
+        user, colon, _ = userinfo.partition(":")
+        if colon:
+            url = f"{scheme}{sep}{user}:***@{rest}"
+    return re.sub(r"[?#].*", "?***", url, count=1, flags=re.DOTALL)
 
 
 def _split_url(url: str) -> tuple[str, str | None]:

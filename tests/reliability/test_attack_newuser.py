@@ -175,3 +175,43 @@ async def test_the_access_log_counts_the_attempt_before_the_client_left(caplog: 
     assert len(upstream.requests) == 1
     [line] = _access_records(caplog)
     assert line["attempts"] == 1 and line["outcome"] == "client_disconnected"
+
+
+# -- second trial (worktree newuser): what the SDKs and a hostile upstream found ------------------------
+
+PASSWORD = "Zq9/x7+Kb"  # base64 passwords (``openssl rand -base64``) have "/" and "+"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("ASGI_LIFETIME_UPSTREAM_URL", f"http://bob:{PASSWORD}@127.0.0.1:8000"),  # "/" ends urlsplit's netloc
+        ("ASGI_LIFETIME_UPSTREAM_URL", "http://bob:Zq9#x7@127.0.0.1:8000"),
+        ("ASGI_LIFETIME_UPSTREAM_URL", f"bob:{PASSWORD}@127.0.0.1:8000"),  # the scheme forgotten
+        ("ASGI_LIFETIME_SESSION_STORE", f"redis://:{PASSWORD}@127.0.0.1:6379/0"),
+        ("ASGI_LIFETIME_SESSION_STORE", f"redis//admin:{PASSWORD}@127.0.0.1:6379/0"),  # ":" forgotten
+    ],
+)
+def test_a_password_in_a_mistyped_url_is_not_shown_by_the_error(name: str, value: str) -> None:
+    # Before: the error (printed by ``serve`` and ``settings``, logged by a supervisor) showed the password
+    # whole: redact_url masked only user info urlsplit had found in a netloc.
+    with pytest.raises(ValueError, match=f"^{name}=.* is invalid") as info:
+        LifetimeSettings.from_environ(environ={name: value}, env_file=None)
+    assert "Zq9" not in str(info.value)
+    assert "127.0.0.1" in str(info.value)  # still says which URL
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (f"http://bob:{PASSWORD}@h:1/v1", "http://bob:***@h:1/v1"),
+        (f"redis//admin:{PASSWORD}@h", "redis//admin:***@h"),
+        ("https://user:pa55@api.example.com:8443/v1", "https://user:***@api.example.com:8443/v1"),
+        ("http://bob:p#w@h/x?key=1", "http://bob:***@h/x?***"),
+        ("https://h/?key=a@b", "https://h/?***"),
+        ("http://user@h", "http://user@h"),
+        ("http://h:8000/v1", "http://h:8000/v1"),
+    ],
+)
+def test_redact_url_masks_what_precedes_the_last_at(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
