@@ -24,7 +24,10 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
+from asgi_lifetime._cli._main import main as cli_main
+from asgi_lifetime._cli._main import refusal
 from asgi_lifetime._settings import LifetimeSettings, redact_url
 from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._upstream import UpstreamClient
@@ -215,3 +218,48 @@ def test_a_password_in_a_mistyped_url_is_not_shown_by_the_error(name: str, value
 )
 def test_redact_url_masks_what_precedes_the_last_at(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+def _never_serve(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the gateway must not start")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5"])
+def test_gateway_keys_without_an_upstream_key_do_not_start_an_open_gateway(
+    host: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Before: ``serve`` started, and every request went through whatever key it carried (the keys are
+    # checked only when the gateway injects its upstream key): the operator believed the port closed.
+    monkeypatch.chdir(tmp_path)  # no ./.env
+    monkeypatch.setattr(uvicorn.Server, "run", _never_serve)
+    monkeypatch.setenv("ASGI_LIFETIME_GATEWAY_KEYS", "gk-SECRET-1")
+    assert cli_main(["serve", "--host", host, "--upstream", "http://127.0.0.1:9"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert f"refusing to serve on {host}" in err and "UPSTREAM_API_KEY" in err and "gk-SECRET" not in err
+
+
+@pytest.mark.parametrize(
+    ("key", "gateway_keys", "host", "refused"),
+    [
+        (None, ("gk",), "0.0.0.0", True),
+        (None, ("gk",), "127.0.0.1", False),
+        (None, ("gk",), "::1", False),
+        ("sk-up", ("gk",), "0.0.0.0", False),
+        (None, (), "0.0.0.0", False),
+        ("sk-up", (), "0.0.0.0", True),
+    ],
+)
+def test_refusal_of_keys_that_would_not_be_checked(
+    key: str | None, gateway_keys: tuple[str, ...], host: str, refused: bool
+) -> None:
+    problem = refusal(LifetimeSettings(upstream_api_key=key, gateway_keys=gateway_keys), host)
+    assert (problem is not None) is refused
+
+
+def test_create_app_warns_of_gateway_keys_that_are_not_checked(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="asgi_lifetime.gateway"):
+        create_app(LifetimeSettings(upstream_url=("http://127.0.0.1:9",), gateway_keys=("gk-SECRET",)))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "asgi_lifetime.gateway"]
+    assert any("not checked" in message for message in warnings)
+    assert not any("gk-SECRET" in message for message in warnings)
