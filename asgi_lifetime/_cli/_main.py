@@ -373,14 +373,31 @@ def _drain_delay_from_environ() -> float:
 def _log_config(level: str) -> dict[str, Any]:
     """uvicorn's logging setup, plus the package's loggers (its access log is the only one).
 
-    uvicorn's access log is off (it writes query strings, where keys travel: ``?key=...``).
+    uvicorn's access log is off (it writes query strings, where keys travel: ``?key=...``), and the
+    query of its WebSocket handshake lines is masked.
     httpx and httpcore log every upstream request URL at INFO/DEBUG: WARNING and up only.
     """
     config = copy.deepcopy(LOGGING_CONFIG)
     config["loggers"]["asgi_lifetime"] = {"handlers": ["default"], "level": LOG_LEVELS[level], "propagate": False}
+    # uvicorn logs each WebSocket handshake (the gateway refuses them all) with its query, on uvicorn.error.
+    config.setdefault("filters", {})["no_websocket_query"] = {"()": f"{__name__}._NoWebSocketQuery"}
+    config["loggers"]["uvicorn.error"].setdefault("filters", []).append("no_websocket_query")
     for name in ("httpx", "httpcore"):
         config["loggers"][name] = {"handlers": ["default"], "level": "WARNING", "propagate": False}
     return config
+
+
+class _NoWebSocketQuery(logging.Filter):
+    """Masks the query of the path in uvicorn's ``"WebSocket <path>"`` handshake lines (Gemini Live
+    clients send ``?key=...``); the access log is off for the same reason."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(record.msg, str) and '"WebSocket %s"' in record.msg and isinstance(args, tuple) and len(args) > 1:
+            path = args[1]
+            if isinstance(path, str) and "?" in path:
+                record.args = (args[0], path.partition("?")[0] + "?***", *args[2:])
+        return True
 
 
 class _WorkerProcess(multiprocess.Process):

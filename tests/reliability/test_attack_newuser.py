@@ -18,7 +18,14 @@ Found here:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,7 @@ import httpx
 import pytest
 import uvicorn
 
+import asgi_lifetime
 from asgi_lifetime._cli._main import main as cli_main
 from asgi_lifetime._cli._main import refusal
 from asgi_lifetime._settings import LifetimeSettings, redact_url
@@ -263,3 +271,48 @@ def test_create_app_warns_of_gateway_keys_that_are_not_checked(caplog: pytest.Lo
     warnings = [r.getMessage() for r in caplog.records if r.name == "asgi_lifetime.gateway"]
     assert any("not checked" in message for message in warnings)
     assert not any("gk-SECRET" in message for message in warnings)
+
+
+def _websocket_handshake(port: int, target: str) -> bytes:
+    request = (
+        f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request.encode())
+        return sock.recv(65536)
+
+
+def test_serve_does_not_log_the_key_in_a_websocket_query(tmp_path: Path) -> None:
+    # Before: uvicorn's "WebSocket <path>" line (uvicorn.error, INFO) carried the query, so a Gemini Live
+    # client's ``?key=`` was written to the gateway's log although the access log is off for that reason.
+    root = Path(asgi_lifetime.__file__).parents[1]  # this checkout, not whatever is installed
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASGI_LIFETIME_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    argv = ["serve", "--port", str(port), "--upstream", "http://127.0.0.1:9", "--drain-delay", "0"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "asgi_lifetime", *argv], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                assert process.poll() is None, log_path.read_text()
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "the gateway did not answer /healthz in time"
+                time.sleep(0.05)
+            answer = _websocket_handshake(port, f"/ws/BidiGenerateContent?key={SECRET}&alt=x")
+            assert answer.startswith(b"HTTP/1.1 403")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=20) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    text = log_path.read_text()
+    assert '"WebSocket /ws/BidiGenerateContent?***" 403' in text
+    assert SECRET not in text
