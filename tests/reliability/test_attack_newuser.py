@@ -19,6 +19,7 @@ Found here:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
@@ -316,3 +318,39 @@ def test_serve_does_not_log_the_key_in_a_websocket_query(tmp_path: Path) -> None
     text = log_path.read_text()
     assert '"WebSocket /ws/BidiGenerateContent?***" 403' in text
     assert SECRET not in text
+
+
+CHAT_ANSWER = json.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+    }
+).encode()
+
+
+@pytest.mark.parametrize(
+    ("transport", "field"),
+    [
+        ("aiohttp", b"x-trace: a\x01b"),
+        ("aiohttp", b"x-trace: a\x7fb"),
+        ("aiohttp", b"x-trace: a\x0bb"),  # h11 refuses this one: httpcore fails the attempt
+        ("httpcore", b"x-trace: a\x01b"),
+        ("httpcore", b"x-trace: a\x7fb"),
+    ],
+)
+def test_an_upstream_header_the_server_cannot_send_is_dropped_not_fatal(field: bytes, transport: str) -> None:
+    # Before: the parsers passed the field, uvicorn refused to send it (RuntimeError "Invalid HTTP header
+    # value"): no answer at all, so the openai SDK retried, and the upstream generated the answer 3 times.
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + field + b"\r\n"
+    answer = head + b"x-request-id: req_1\r\ncontent-length: %d\r\n\r\n" % len(CHAT_ANSWER) + CHAT_ANSWER
+    with raw_upstream(lambda request: [answer]) as upstream:
+        app = create_app(LifetimeSettings(upstream_url=(upstream.url,), **{**FAST, "upstream_transport": transport}))
+        with serve_in_thread(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=2, timeout=20)
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=[])
+            assert raw.parse().choices[0].message.content == "hi"
+            assert raw.headers.get("x-request-id") == "req_1" and "x-trace" not in raw.headers
+    assert len(upstream.requests) == 1
