@@ -238,7 +238,21 @@ def _absolute_dir(value: Any) -> str | None:
 
 
 def _keys(value: Any) -> str | None:
-    return "keys must not be empty" if any(not k for k in value) else None
+    if any(not k for k in value):
+        return "keys must not be empty"
+    return next((problem for problem in map(_key_problem, value) if problem is not None), None)
+
+
+def _key(value: Any) -> str | None:
+    return None if value is None else _key_problem(value)
+
+
+def _key_problem(key: Any) -> str | None:
+    # A key goes out in a header: a line break made every request fail as "upstream unreachable" after
+    # every retry, anything else outside printable ASCII (a zero-width space pasted from a web page) a 401.
+    if isinstance(key, str) and re.search(r"[^\x20-\x7e]", key):
+        return "a key must be printable ASCII (it has a line break, control or non-ASCII character)"
+    return None
 
 
 # name -> (parser, check, help, secret). Defaults live on the dataclass below.
@@ -344,7 +358,7 @@ SETTINGS: dict[str, SettingSpec] = {
         SettingSpec(
             "upstream_api_key",
             _parse_optional_str,
-            _anything,
+            _key,
             "Key injected upstream; clients must then present a gateway key.",
             secret=True,
         ),

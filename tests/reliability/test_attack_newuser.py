@@ -354,3 +354,31 @@ def test_an_upstream_header_the_server_cannot_send_is_dropped_not_fatal(field: b
             assert raw.parse().choices[0].message.content == "hi"
             assert raw.headers.get("x-request-id") == "req_1" and "x-trace" not in raw.headers
     assert len(upstream.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("upstream_api_key", "sk-live-1\nsk-live-2"),  # two lines of a secret file
+        ("upstream_api_key", "sk-live\x00"),
+        ("upstream_api_key", "sk-live\u200b"),  # a zero-width space pasted with it (strip() keeps it)
+        ("gateway_keys", "gk-1,gk\u20112"),  # a non-breaking hyphen
+        ("gateway_keys", "gk-1,gk\t2"),
+    ],
+)
+@pytest.mark.parametrize("source", ["code", "environment"])
+def test_a_key_that_cannot_go_in_a_header_fails_at_start(name: str, value: str, source: str) -> None:
+    # Before: accepted. A line break in UPSTREAM_API_KEY failed every request after every retry as 502
+    # "upstream unreachable (LocalProtocolError)"; other characters went out as UTF-8 (the upstream's 401).
+    env = f"ASGI_LIFETIME_{name.upper()}"
+    with pytest.raises(ValueError, match=f"^{env}=\\*\\*\\* is invalid: a key must be printable ASCII") as info:
+        if source == "code":
+            LifetimeSettings.from_mapping({name: value})
+        else:
+            LifetimeSettings.from_environ(environ={env: value}, env_file=None)
+    assert "live" not in str(info.value) and "gk" not in str(info.value)
+
+
+def test_ordinary_keys_are_accepted() -> None:
+    settings = LifetimeSettings(upstream_api_key="sk-proj-AbC_12-x.y~z+/=", gateway_keys=("gk 1", "gk-2"))
+    assert settings.upstream_api_key == "sk-proj-AbC_12-x.y~z+/=" and settings.gateway_keys == ("gk 1", "gk-2")
