@@ -382,3 +382,24 @@ def test_a_key_that_cannot_go_in_a_header_fails_at_start(name: str, value: str, 
 def test_ordinary_keys_are_accepted() -> None:
     settings = LifetimeSettings(upstream_api_key="sk-proj-AbC_12-x.y~z+/=", gateway_keys=("gk 1", "gk-2"))
     assert settings.upstream_api_key == "sk-proj-AbC_12-x.y~z+/=" and settings.gateway_keys == ("gk 1", "gk-2")
+
+
+def test_the_upstream_key_quoted_in_bytes_aiohttp_refuses_is_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the warning that sends an upstream to httpcore quoted aiohttp's parse error, which quotes the
+    # bytes it refused: here an error body (longer than its Content-Length) quoting the key the gateway sent.
+    key = "sk-upstream-LOGGED-SECRET"
+
+    def answer(request: RawRequest) -> Script:
+        quoted = f'{{"error": {{"message": "invalid key: {request.headers.get("authorization")}"}}}}'.encode()
+        return [b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: 5\r\n\r\n" + quoted]
+
+    caplog.set_level(logging.WARNING)
+    with raw_upstream(answer) as upstream:
+        settings = LifetimeSettings(upstream_url=(upstream.url,), upstream_api_key=key, gateway_keys=("gk",), **FAST)
+        with serve_in_thread(create_app(settings.replace(upstream_transport="aiohttp"))) as url:
+            response = httpx.post(f"{url}{PATH}", json={}, headers={"authorization": "Bearer gk"}, timeout=20)
+    assert response.status_code in (401, 502)
+    assert key not in response.text
+    messages = [record.getMessage() for record in caplog.records]
+    assert not [message for message in messages if key in message or "invalid key" in message]
+    assert any("aiohttp cannot parse (Bad status line)" in message for message in messages), messages
