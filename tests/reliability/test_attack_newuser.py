@@ -14,6 +14,17 @@ Found here:
 - the access log (and every bookkeeper) said ``attempts=0`` for a request whose attempts all failed
   (502 ``upstream_unreachable`` after ``MAX_ATTEMPTS`` connects) or whose client left during a retry's
   wait, and did not count the blind re-issue of a starved stream: ``attempts`` is the upstream attempts.
+
+Found in a second trial (the SDKs through ``asgi-lifetime serve`` in front of a raw-socket upstream):
+
+- a password in a mistyped URL (an unescaped ``/`` as base64 passwords have, ``redis//``, no scheme) was
+  shown whole by the error rejecting it: ``redact_url`` masked only user info urlsplit found;
+- ``GATEWAY_KEYS`` without ``UPSTREAM_API_KEY`` were silently not checked: an open gateway that looked closed;
+- uvicorn's ``"WebSocket <path>"`` line under ``serve`` logged a handshake's query (``?key=``);
+- an upstream response header with a control character made uvicorn refuse the response: no answer,
+  so the openai SDK retried and the upstream generated the answer three times;
+- a key with a line break failed every request after every retry as 502 "unreachable";
+- aiohttp's parse error, quoting the refused bytes (an error body quoting the upstream key), was logged.
 """
 
 from __future__ import annotations
