@@ -578,6 +578,7 @@ def collect_environ(
 
 
 _ENV_LINE = re.compile(r"\s*(?:export\s+)?([^=\s]+)\s*=\s*(.*?)\s*")
+_ENV_NAME = re.compile(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)")
 _QUOTED = re.compile(r"""(["'])(.*?)\1(?:\s+#.*)?""", re.DOTALL)
 
 
@@ -587,9 +588,18 @@ def read_env_file(path: str | Path) -> dict[str, str]:
     (`` # ...``, whitespace before the ``#``). Blank lines and ``#`` lines are skipped; later lines win."""
     values: dict[str, str] = {}
     with open(path, encoding="utf-8") as file:
-        for line in file:
+        for number, line in enumerate(file, 1):
             match = _ENV_LINE.fullmatch(line)
-            if match is None or match[1].startswith("#"):
+            if match is None:
+                # ``NAME: value`` (a compose file's environment map) or ``NAME value`` would otherwise
+                # leave the setting at its default, unnoticed: only this package's names, never the value.
+                # A bare ``NAME`` stays allowed (docker's env files: take it from the environment).
+                ours = _ENV_NAME.match(line)
+                rest = line[ours.end() :].strip() if ours is not None else ""
+                if ours is not None and ours[1].upper().startswith(ENV_PREFIX) and rest and rest[0] != "#":
+                    raise ValueError(f"{path}, line {number}: {ours[1]} has no '=' (expected {ours[1]}=value)")
+                continue
+            if match[1].startswith("#"):
                 continue
             name, value = match[1], match[2]
             quoted = _QUOTED.fullmatch(value)

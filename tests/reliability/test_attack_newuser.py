@@ -25,6 +25,7 @@ Found in a second trial (the SDKs through ``asgi-lifetime serve`` in front of a 
   so the openai SDK retried and the upstream generated the answer three times;
 - a key with a line break failed every request after every retry as 502 "unreachable";
 - aiohttp's parse error, quoting the refused bytes (an error body quoting the upstream key), was logged.
+- a ``.env`` line ``ASGI_LIFETIME_NAME: value`` (a compose file's map) was skipped: the default ran.
 """
 
 from __future__ import annotations
@@ -414,3 +415,27 @@ def test_the_upstream_key_quoted_in_bytes_aiohttp_refuses_is_not_logged(caplog: 
     messages = [record.getMessage() for record in caplog.records]
     assert not [message for message in messages if key in message or "invalid key" in message]
     assert any("aiohttp cannot parse (Bad status line)" in message for message in messages), messages
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "ASGI_LIFETIME_UPSTREAM_API_KEY: sk-SECRET-1",  # copied from a compose file's environment map
+        "export ASGI_LIFETIME_UPSTREAM_API_KEY sk-SECRET-1",
+        "  ASGI_LIFETIME_MAX_INFLIGHT 16",
+    ],
+)
+def test_an_env_file_line_without_equals_naming_a_setting_is_an_error(tmp_path: Path, line: str) -> None:
+    # Before: silently skipped; the setting kept its default (here: no upstream key, every request a 401).
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"ASGI_LIFETIME_STALL_TIMEOUT=9\n{line}\n")
+    with pytest.raises(ValueError, match=r"line 2: ASGI_LIFETIME_[A-Z_]+ has no '='") as info:
+        LifetimeSettings.from_environ(environ={}, env_file=env_file)
+    assert "SECRET" not in str(info.value)
+
+
+@pytest.mark.parametrize("line", ["ASGI_LIFETIME_MAX_INFLIGHT", "OTHER_TOOL: value", "# ASGI_LIFETIME_X: y"])
+def test_other_lines_without_equals_are_still_skipped(tmp_path: Path, line: str) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"{line}\nASGI_LIFETIME_STALL_TIMEOUT=9\n")
+    assert LifetimeSettings.from_environ(environ={}, env_file=env_file).stall_timeout == 9.0
