@@ -238,7 +238,21 @@ def _absolute_dir(value: Any) -> str | None:
 
 
 def _keys(value: Any) -> str | None:
-    return "keys must not be empty" if any(not k for k in value) else None
+    if any(not k for k in value):
+        return "keys must not be empty"
+    return next((problem for problem in map(_key_problem, value) if problem is not None), None)
+
+
+def _key(value: Any) -> str | None:
+    return None if value is None else _key_problem(value)
+
+
+def _key_problem(key: Any) -> str | None:
+    # A key goes out in a header: a line break made every request fail as "upstream unreachable" after
+    # every retry, anything else outside printable ASCII (a zero-width space pasted from a web page) a 401.
+    if isinstance(key, str) and re.search(r"[^\x20-\x7e]", key):
+        return "a key must be printable ASCII (it has a line break, control or non-ASCII character)"
+    return None
 
 
 # name -> (parser, check, help, secret). Defaults live on the dataclass below.
@@ -344,7 +358,7 @@ SETTINGS: dict[str, SettingSpec] = {
         SettingSpec(
             "upstream_api_key",
             _parse_optional_str,
-            _anything,
+            _key,
             "Key injected upstream; clients must then present a gateway key.",
             secret=True,
         ),
@@ -564,6 +578,7 @@ def collect_environ(
 
 
 _ENV_LINE = re.compile(r"\s*(?:export\s+)?([^=\s]+)\s*=\s*(.*?)\s*")
+_ENV_NAME = re.compile(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)")
 _QUOTED = re.compile(r"""(["'])(.*?)\1(?:\s+#.*)?""", re.DOTALL)
 
 
@@ -573,9 +588,18 @@ def read_env_file(path: str | Path) -> dict[str, str]:
     (`` # ...``, whitespace before the ``#``). Blank lines and ``#`` lines are skipped; later lines win."""
     values: dict[str, str] = {}
     with open(path, encoding="utf-8") as file:
-        for line in file:
+        for number, line in enumerate(file, 1):
             match = _ENV_LINE.fullmatch(line)
-            if match is None or match[1].startswith("#"):
+            if match is None:
+                # ``NAME: value`` (a compose file's environment map) or ``NAME value`` would otherwise
+                # leave the setting at its default, unnoticed: only this package's names, never the value.
+                # A bare ``NAME`` stays allowed (docker's env files: take it from the environment).
+                ours = _ENV_NAME.match(line)
+                rest = line[ours.end() :].strip() if ours is not None else ""
+                if ours is not None and ours[1].upper().startswith(ENV_PREFIX) and rest and rest[0] != "#":
+                    raise ValueError(f"{path}, line {number}: {ours[1]} has no '=' (expected {ours[1]}=value)")
+                continue
+            if match[1].startswith("#"):
                 continue
             name, value = match[1], match[2]
             quoted = _QUOTED.fullmatch(value)
@@ -635,12 +659,18 @@ def _show(spec: SettingSpec, value: Any) -> str:
 def redact_url(url: str) -> str:
     """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), and any query or
     fragment (where keys travel: ``?key=``, ``?password=``) by ``***``, for output."""
-    url = re.sub(r"[?#].*", "?***", url, count=1, flags=re.DOTALL)
-    try:
-        base, userinfo = _split_url(url)
-    except ValueError:
-        return url if "@" not in url else "(unreadable URL)"
-    return _join_userinfo(base, _mask(userinfo))
+    # The user info is whatever precedes the last "@", read without urlsplit: a password with a "/",
+    # "?" or "#" (base64 has "/") ends urlsplit's netloc early, and a mistyped scheme ("redis//",
+    # none at all) leaves no netloc; either way the password would be shown whole.
+    head, at, rest = url.rpartition("@")
+    if at:
+        scheme, sep, userinfo = head.partition("://")
+        if not sep:
+            scheme, userinfo = "", head
+        user, colon, _ = userinfo.partition(":")
+        if colon:
+            url = f"{scheme}{sep}{user}:***@{rest}"
+    return re.sub(r"[?#].*", "?***", url, count=1, flags=re.DOTALL)
 
 
 def _split_url(url: str) -> tuple[str, str | None]:

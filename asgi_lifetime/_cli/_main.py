@@ -111,7 +111,8 @@ precedence: flag > environment > .env file > default. Reference: docs/operators.
 
 _SERVE_EPILOG = """\
 With UPSTREAM_API_KEY set, clients must present one of GATEWAY_KEYS; without
-GATEWAY_KEYS the gateway only starts on a loopback host. Without an upstream it
+GATEWAY_KEYS the gateway only starts on a loopback host, and so without
+UPSTREAM_API_KEY beside GATEWAY_KEYS (the keys would not be checked). Without an upstream it
 serves a built-in DEMO upstream (lorem ipsum, not a real model).
 SIGTERM: keep accepting for DRAIN_DELAY seconds while /healthz answers 503
 "draining" and new requests get 503 with Retry-After, then stop listening; streams
@@ -271,13 +272,24 @@ def export_environ(settings: LifetimeSettings, environ: MutableMapping[str, str]
 def refusal(settings: LifetimeSettings, host: str) -> str | None:
     """Why the gateway must not start on ``host`` with these settings, or ``None``.
 
-    With an upstream key and no gateway keys, anyone who can reach the port spends the key:
-    that is only acceptable on a loopback address.
+    With an upstream key and no gateway keys, anyone who can reach the port spends the key; with
+    gateway keys and no upstream key, the keys are not checked: either is only acceptable on a
+    loopback address.
     """
-    if settings.upstream_api_key and not settings.gateway_keys and not is_loopback(host):
+    if is_loopback(host):
+        return None
+    if settings.upstream_api_key and not settings.gateway_keys:
         return (
             f"refusing to serve on {host}: {ENV_PREFIX}UPSTREAM_API_KEY is set but {ENV_PREFIX}GATEWAY_KEYS is not, "
             "so anyone who can reach this port would spend the key; set GATEWAY_KEYS or bind a loopback --host"
+        )
+    if settings.gateway_keys and not settings.upstream_api_key:
+        # The keys are checked only where the gateway injects its own key (the client's Authorization
+        # header is otherwise its upstream credential): an operator who set them believes the port closed.
+        return (
+            f"refusing to serve on {host}: {ENV_PREFIX}GATEWAY_KEYS is set but {ENV_PREFIX}UPSTREAM_API_KEY is not, "
+            "and gateway keys are checked only when the gateway injects its upstream key: anyone who can reach "
+            "this port would be served; set UPSTREAM_API_KEY, unset GATEWAY_KEYS, or bind a loopback --host"
         )
     return None
 
@@ -361,14 +373,31 @@ def _drain_delay_from_environ() -> float:
 def _log_config(level: str) -> dict[str, Any]:
     """uvicorn's logging setup, plus the package's loggers (its access log is the only one).
 
-    uvicorn's access log is off (it writes query strings, where keys travel: ``?key=...``).
+    uvicorn's access log is off (it writes query strings, where keys travel: ``?key=...``), and the
+    query of its WebSocket handshake lines is masked.
     httpx and httpcore log every upstream request URL at INFO/DEBUG: WARNING and up only.
     """
     config = copy.deepcopy(LOGGING_CONFIG)
     config["loggers"]["asgi_lifetime"] = {"handlers": ["default"], "level": LOG_LEVELS[level], "propagate": False}
+    # uvicorn logs each WebSocket handshake (the gateway refuses them all) with its query, on uvicorn.error.
+    config.setdefault("filters", {})["no_websocket_query"] = {"()": f"{__name__}._NoWebSocketQuery"}
+    config["loggers"]["uvicorn.error"].setdefault("filters", []).append("no_websocket_query")
     for name in ("httpx", "httpcore"):
         config["loggers"][name] = {"handlers": ["default"], "level": "WARNING", "propagate": False}
     return config
+
+
+class _NoWebSocketQuery(logging.Filter):
+    """Masks the query of the path in uvicorn's ``"WebSocket <path>"`` handshake lines (Gemini Live
+    clients send ``?key=...``); the access log is off for the same reason."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(record.msg, str) and '"WebSocket %s"' in record.msg and isinstance(args, tuple) and len(args) > 1:
+            path = args[1]
+            if isinstance(path, str) and "?" in path:
+                record.args = (args[0], path.partition("?")[0] + "?***", *args[2:])
+        return True
 
 
 class _WorkerProcess(multiprocess.Process):

@@ -171,7 +171,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         logger.warning(
             "the upstream %s sent a response aiohttp cannot parse (%s); its requests go through httpcore from now on",
             netloc.decode("ascii", "replace"),
-            exc.message,
+            _kind_of(exc.message),
         )
 
     def _fallback_transport(self) -> GuardedTransport:
@@ -261,6 +261,13 @@ class _Body(httpx.AsyncByteStream):
         # A response read to its end gave its connection back to the pool at its last byte
         # (aiohttp does that itself); one that did not end closes it here.
         self._response.close()
+
+
+def _kind_of(message: str) -> str:
+    """The leading words of a parse error's message (``Bad status line``), without what follows: aiohttp
+    quotes the bytes it refused, which may be an answer's text or an error body quoting the upstream key."""
+    words = re.match(r"[A-Za-z][A-Za-z ]{0,63}", message)
+    return words.group().strip() if words else "unreadable response"
 
 
 def _mapped(exc: BaseException) -> httpx.TransportError:

@@ -83,6 +83,11 @@ def create_app(
         settings = LifetimeSettings.from_environ()
     if settings.upstream_api_key and not settings.gateway_keys:
         logger.warning("an upstream key is set and no gateway keys: only loopback clients will be served")
+    elif settings.gateway_keys and not settings.upstream_api_key:
+        logger.warning(
+            "gateway keys are set and no upstream key: the keys are not checked (only a gateway that injects "
+            "its upstream key checks them); every client's own credential goes to the upstream"
+        )
     lifetime = Lifetime(settings)
     book = make_session_book(settings, lifetime=lifetime, on_change=on_change)
     listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]

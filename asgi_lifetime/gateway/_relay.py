@@ -42,6 +42,7 @@ import contextlib
 import functools
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -137,6 +138,28 @@ def filter_headers(headers: Iterable[tuple[bytes, bytes]] | httpx.Headers) -> li
         if name == b"connection":
             drop.update(token.strip().lower() for token in value.split(b","))
     return [(name, value) for name, value in pairs if name not in drop]
+
+
+# RFC 9110 5.1, 5.5: a field name is a token; a value has no control character but HTAB. aiohttp's parser
+# passes some that are not (a control character in a value), and the ASGI server refuses to send them
+# (uvicorn raises): the client got no answer at all, which its SDK retries (the upstream's work again).
+_FIELD_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_FIELD_VALUE_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _sendable(name: bytes, value: bytes) -> bool:
+    return _FIELD_NAME.fullmatch(name) is not None and _FIELD_VALUE_CTL.search(value) is None
+
+
+def _sendable_only(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """``headers`` without the fields no server can send; each dropped name is logged (never a value)."""
+    kept = []
+    for name, value in headers:
+        if _sendable(name, value):
+            kept.append((name, value))
+        else:
+            logger.warning("dropped an upstream response header that cannot be sent: %r", name[:64])
+    return kept
 
 
 def _is_sse(response: httpx.Response) -> bool:
@@ -307,6 +330,8 @@ class _Relay:
             sse = _is_sse(response)
             self.inband = sse and not _is_encoded(response)
             headers = [(name, value) for name, value in filter_headers(response.headers) if name not in _SERVER_SET]
+            if not all(_sendable(name, value) for name, value in headers):
+                headers = _sendable_only(headers)
             # SSE: keep-alives and error events change the length. 204 and 304 have no body, whatever length the
             # upstream gave (RFC 9110 8.6): uvicorn's httptools server would wait for it, then fail the response.
             if sse or response.status_code in _NO_BODY_STATUSES:

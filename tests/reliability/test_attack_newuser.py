@@ -14,17 +14,42 @@ Found here:
 - the access log (and every bookkeeper) said ``attempts=0`` for a request whose attempts all failed
   (502 ``upstream_unreachable`` after ``MAX_ATTEMPTS`` connects) or whose client left during a retry's
   wait, and did not count the blind re-issue of a starved stream: ``attempts`` is the upstream attempts.
+
+Found in a second trial (the SDKs through ``asgi-lifetime serve`` in front of a raw-socket upstream):
+
+- a password in a mistyped URL (an unescaped ``/`` as base64 passwords have, ``redis//``, no scheme) was
+  shown whole by the error rejecting it: ``redact_url`` masked only user info urlsplit found;
+- ``GATEWAY_KEYS`` without ``UPSTREAM_API_KEY`` were silently not checked: an open gateway that looked closed;
+- uvicorn's ``"WebSocket <path>"`` line under ``serve`` logged a handshake's query (``?key=``);
+- an upstream response header with a control character made uvicorn refuse the response: no answer,
+  so the openai SDK retried and the upstream generated the answer three times;
+- a key with a line break failed every request after every retry as 502 "unreachable";
+- aiohttp's parse error, quoting the refused bytes (an error body quoting the upstream key), was logged.
+- a ``.env`` line ``ASGI_LIFETIME_NAME: value`` (a compose file's map) was skipped: the default ran.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
+import uvicorn
 
+import asgi_lifetime
+from asgi_lifetime._cli._main import main as cli_main
+from asgi_lifetime._cli._main import refusal
 from asgi_lifetime._settings import LifetimeSettings, redact_url
 from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._upstream import UpstreamClient
@@ -175,3 +200,242 @@ async def test_the_access_log_counts_the_attempt_before_the_client_left(caplog: 
     assert len(upstream.requests) == 1
     [line] = _access_records(caplog)
     assert line["attempts"] == 1 and line["outcome"] == "client_disconnected"
+
+
+# -- second trial (worktree newuser): what the SDKs and a hostile upstream found ------------------------
+
+PASSWORD = "Zq9/x7+Kb"  # base64 passwords (``openssl rand -base64``) have "/" and "+"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("ASGI_LIFETIME_UPSTREAM_URL", f"http://bob:{PASSWORD}@127.0.0.1:8000"),  # "/" ends urlsplit's netloc
+        ("ASGI_LIFETIME_UPSTREAM_URL", "http://bob:Zq9#x7@127.0.0.1:8000"),
+        ("ASGI_LIFETIME_UPSTREAM_URL", f"bob:{PASSWORD}@127.0.0.1:8000"),  # the scheme forgotten
+        ("ASGI_LIFETIME_SESSION_STORE", f"redis://:{PASSWORD}@127.0.0.1:6379/0"),
+        ("ASGI_LIFETIME_SESSION_STORE", f"redis//admin:{PASSWORD}@127.0.0.1:6379/0"),  # ":" forgotten
+    ],
+)
+def test_a_password_in_a_mistyped_url_is_not_shown_by_the_error(name: str, value: str) -> None:
+    # Before: the error (printed by ``serve`` and ``settings``, logged by a supervisor) showed the password
+    # whole: redact_url masked only user info urlsplit had found in a netloc.
+    with pytest.raises(ValueError, match=f"^{name}=.* is invalid") as info:
+        LifetimeSettings.from_environ(environ={name: value}, env_file=None)
+    assert "Zq9" not in str(info.value)
+    assert "127.0.0.1" in str(info.value)  # still says which URL
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (f"http://bob:{PASSWORD}@h:1/v1", "http://bob:***@h:1/v1"),
+        (f"redis//admin:{PASSWORD}@h", "redis//admin:***@h"),
+        ("https://user:pa55@api.example.com:8443/v1", "https://user:***@api.example.com:8443/v1"),
+        ("http://bob:p#w@h/x?key=1", "http://bob:***@h/x?***"),
+        ("https://h/?key=a@b", "https://h/?***"),
+        ("http://user@h", "http://user@h"),
+        ("http://h:8000/v1", "http://h:8000/v1"),
+    ],
+)
+def test_redact_url_masks_what_precedes_the_last_at(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def _never_serve(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the gateway must not start")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5"])
+def test_gateway_keys_without_an_upstream_key_do_not_start_an_open_gateway(
+    host: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Before: ``serve`` started, and every request went through whatever key it carried (the keys are
+    # checked only when the gateway injects its upstream key): the operator believed the port closed.
+    monkeypatch.chdir(tmp_path)  # no ./.env
+    monkeypatch.setattr(uvicorn.Server, "run", _never_serve)
+    monkeypatch.setenv("ASGI_LIFETIME_GATEWAY_KEYS", "gk-SECRET-1")
+    assert cli_main(["serve", "--host", host, "--upstream", "http://127.0.0.1:9"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert f"refusing to serve on {host}" in err and "UPSTREAM_API_KEY" in err and "gk-SECRET" not in err
+
+
+@pytest.mark.parametrize(
+    ("key", "gateway_keys", "host", "refused"),
+    [
+        (None, ("gk",), "0.0.0.0", True),
+        (None, ("gk",), "127.0.0.1", False),
+        (None, ("gk",), "::1", False),
+        ("sk-up", ("gk",), "0.0.0.0", False),
+        (None, (), "0.0.0.0", False),
+        ("sk-up", (), "0.0.0.0", True),
+    ],
+)
+def test_refusal_of_keys_that_would_not_be_checked(
+    key: str | None, gateway_keys: tuple[str, ...], host: str, refused: bool
+) -> None:
+    problem = refusal(LifetimeSettings(upstream_api_key=key, gateway_keys=gateway_keys), host)
+    assert (problem is not None) is refused
+
+
+def test_create_app_warns_of_gateway_keys_that_are_not_checked(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="asgi_lifetime.gateway"):
+        create_app(LifetimeSettings(upstream_url=("http://127.0.0.1:9",), gateway_keys=("gk-SECRET",)))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "asgi_lifetime.gateway"]
+    assert any("not checked" in message for message in warnings)
+    assert not any("gk-SECRET" in message for message in warnings)
+
+
+def _websocket_handshake(port: int, target: str) -> bytes:
+    request = (
+        f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request.encode())
+        return sock.recv(65536)
+
+
+def test_serve_does_not_log_the_key_in_a_websocket_query(tmp_path: Path) -> None:
+    # Before: uvicorn's "WebSocket <path>" line (uvicorn.error, INFO) carried the query, so a Gemini Live
+    # client's ``?key=`` was written to the gateway's log although the access log is off for that reason.
+    root = Path(asgi_lifetime.__file__).parents[1]  # this checkout, not whatever is installed
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASGI_LIFETIME_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    argv = ["serve", "--port", str(port), "--upstream", "http://127.0.0.1:9", "--drain-delay", "0"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "asgi_lifetime", *argv], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                assert process.poll() is None, log_path.read_text()
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "the gateway did not answer /healthz in time"
+                time.sleep(0.05)
+            answer = _websocket_handshake(port, f"/ws/BidiGenerateContent?key={SECRET}&alt=x")
+            assert answer.startswith(b"HTTP/1.1 403")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=20) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    text = log_path.read_text()
+    assert '"WebSocket /ws/BidiGenerateContent?***" 403' in text
+    assert SECRET not in text
+
+
+CHAT_ANSWER = json.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+    }
+).encode()
+
+
+@pytest.mark.parametrize(
+    ("transport", "field"),
+    [
+        ("aiohttp", b"x-trace: a\x01b"),
+        ("aiohttp", b"x-trace: a\x7fb"),
+        ("aiohttp", b"x-trace: a\x0bb"),  # h11 refuses this one: httpcore fails the attempt
+        ("httpcore", b"x-trace: a\x01b"),
+        ("httpcore", b"x-trace: a\x7fb"),
+    ],
+)
+def test_an_upstream_header_the_server_cannot_send_is_dropped_not_fatal(field: bytes, transport: str) -> None:
+    # Before: the parsers passed the field, uvicorn refused to send it (RuntimeError "Invalid HTTP header
+    # value"): no answer at all, so the openai SDK retried, and the upstream generated the answer 3 times.
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + field + b"\r\n"
+    answer = head + b"x-request-id: req_1\r\ncontent-length: %d\r\n\r\n" % len(CHAT_ANSWER) + CHAT_ANSWER
+    with raw_upstream(lambda request: [answer]) as upstream:
+        app = create_app(LifetimeSettings(upstream_url=(upstream.url,), **{**FAST, "upstream_transport": transport}))
+        with serve_in_thread(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=2, timeout=20)
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=[])
+            assert raw.parse().choices[0].message.content == "hi"
+            assert raw.headers.get("x-request-id") == "req_1" and "x-trace" not in raw.headers
+    assert len(upstream.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("upstream_api_key", "sk-live-1\nsk-live-2"),  # two lines of a secret file
+        ("upstream_api_key", "sk-live\x00"),
+        ("upstream_api_key", "sk-live\u200b"),  # a zero-width space pasted with it (strip() keeps it)
+        ("gateway_keys", "gk-1,gk\u20112"),  # a non-breaking hyphen
+        ("gateway_keys", "gk-1,gk\t2"),
+    ],
+)
+@pytest.mark.parametrize("source", ["code", "environment"])
+def test_a_key_that_cannot_go_in_a_header_fails_at_start(name: str, value: str, source: str) -> None:
+    # Before: accepted. A line break in UPSTREAM_API_KEY failed every request after every retry as 502
+    # "upstream unreachable (LocalProtocolError)"; other characters went out as UTF-8 (the upstream's 401).
+    env = f"ASGI_LIFETIME_{name.upper()}"
+    with pytest.raises(ValueError, match=f"^{env}=\\*\\*\\* is invalid: a key must be printable ASCII") as info:
+        if source == "code":
+            LifetimeSettings.from_mapping({name: value})
+        else:
+            LifetimeSettings.from_environ(environ={env: value}, env_file=None)
+    assert "live" not in str(info.value) and "gk" not in str(info.value)
+
+
+def test_ordinary_keys_are_accepted() -> None:
+    settings = LifetimeSettings(upstream_api_key="sk-proj-AbC_12-x.y~z+/=", gateway_keys=("gk 1", "gk-2"))
+    assert settings.upstream_api_key == "sk-proj-AbC_12-x.y~z+/=" and settings.gateway_keys == ("gk 1", "gk-2")
+
+
+def test_the_upstream_key_quoted_in_bytes_aiohttp_refuses_is_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the warning that sends an upstream to httpcore quoted aiohttp's parse error, which quotes the
+    # bytes it refused: here an error body (longer than its Content-Length) quoting the key the gateway sent.
+    key = "sk-upstream-LOGGED-SECRET"
+
+    def answer(request: RawRequest) -> Script:
+        quoted = f'{{"error": {{"message": "invalid key: {request.headers.get("authorization")}"}}}}'.encode()
+        return [b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: 5\r\n\r\n" + quoted]
+
+    caplog.set_level(logging.WARNING)
+    with raw_upstream(answer) as upstream:
+        settings = LifetimeSettings(upstream_url=(upstream.url,), upstream_api_key=key, gateway_keys=("gk",), **FAST)
+        with serve_in_thread(create_app(settings.replace(upstream_transport="aiohttp"))) as url:
+            response = httpx.post(f"{url}{PATH}", json={}, headers={"authorization": "Bearer gk"}, timeout=20)
+    assert response.status_code in (401, 502)
+    assert key not in response.text
+    messages = [record.getMessage() for record in caplog.records]
+    assert not [message for message in messages if key in message or "invalid key" in message]
+    assert any("aiohttp cannot parse (Bad status line)" in message for message in messages), messages
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "ASGI_LIFETIME_UPSTREAM_API_KEY: sk-SECRET-1",  # copied from a compose file's environment map
+        "export ASGI_LIFETIME_UPSTREAM_API_KEY sk-SECRET-1",
+        "  ASGI_LIFETIME_MAX_INFLIGHT 16",
+    ],
+)
+def test_an_env_file_line_without_equals_naming_a_setting_is_an_error(tmp_path: Path, line: str) -> None:
+    # Before: silently skipped; the setting kept its default (here: no upstream key, every request a 401).
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"ASGI_LIFETIME_STALL_TIMEOUT=9\n{line}\n")
+    with pytest.raises(ValueError, match=r"line 2: ASGI_LIFETIME_[A-Z_]+ has no '='") as info:
+        LifetimeSettings.from_environ(environ={}, env_file=env_file)
+    assert "SECRET" not in str(info.value)
+
+
+@pytest.mark.parametrize("line", ["ASGI_LIFETIME_MAX_INFLIGHT", "OTHER_TOOL: value", "# ASGI_LIFETIME_X: y"])
+def test_other_lines_without_equals_are_still_skipped(tmp_path: Path, line: str) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"{line}\nASGI_LIFETIME_STALL_TIMEOUT=9\n")
+    assert LifetimeSettings.from_environ(environ={}, env_file=env_file).stall_timeout == 9.0
