@@ -29,6 +29,7 @@ import functools
 import gc
 import inspect
 import io
+import itertools
 import re
 import sys
 import threading
@@ -52,6 +53,8 @@ _ATOMS = frozenset({int, float, bool, complex, type(None), type(Ellipsis), type(
 # Containers, known not to be buffers (any other type is asked once whether it is one).
 _HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: the type's objects may refer to others
 _CONTAINERS = frozenset({dict, list, tuple, set, frozenset, type, types.FunctionType, types.CellType})
+_CHUNK = 64  # holders passed over at once when nothing in them can hold the needle
+_MARKED = frozenset({str, bytes})  # read by ``may_hold`` itself
 _MAX_LEVELS = 32  # referrer levels climbed from a holder
 _BATCH = 256  # up to this many objects, referrers are found by gc.get_referrers (its cost: heap x objects)
 _MAX_FRONTIER = 8 * _BATCH  # objects climbed from, per level
@@ -120,6 +123,7 @@ class _Search:
         self.owned_roots: set[int] = set()  # functions only the probe or the test hold (``disown``)
         self.app = app
         self.objects = gc.get_objects()
+        self.plain: set[type] = set()  # types decided to have no content of their own (``may_hold``)
         stack = list(_current_stack())
         self.skip = {id(obj) for obj in own} | {id(frame) for frame in stack}
         # A function frame's ``f_locals`` dict (kept on the frame up to Python 3.12, once asked for)
@@ -151,13 +155,54 @@ class _Search:
     # --- 1. find -------------------------------------------------------------------------------
 
     def scan(self) -> list[_Hit]:
+        # Holders are read a chunk at a time: ``may_hold`` passes over, in few calls, a chunk in
+        # which reading each object would find nothing; the others are read one by one.
+        hits: list[_Hit] = []
+        objects = self.objects
+        for start in range(0, len(objects), _CHUNK):
+            chunk = objects[start : start + _CHUNK]
+            if self.may_hold(chunk):
+                self.read_chunk(chunk, hits)
+        self.scan_threads(hits)
+        return hits
+
+    def may_hold(self, chunk: list[object]) -> bool:
+        """False when no holder in ``chunk`` has content of its own, and the str and bytes among
+        their referents (through untracked containers, as ``read_chunk`` descends) have neither
+        the needle nor, long ones, an encoded form. True is no finding: the chunk is then read."""
+        plain = self.plain
+        if not plain.issuperset(map(type, chunk)):
+            return True  # a type with content (a BytesIO...), or one not decided yet
+        refs = gc.get_referents(*chunk)
+        while refs:
+            loose = list(itertools.filterfalse(gc.is_tracked, refs))  # a tracked one is a holder in its turn
+            kinds = set(map(type, loose)) - _ATOMS
+            if not plain.issuperset(kinds - _MARKED):
+                return True  # an untracked object with content (a bytearray...), or of a type not decided yet
+            for kind in _MARKED & kinds:
+                if self.any_has([ref for ref in loose if type(ref) is kind], kind):
+                    return True
+            refs = gc.get_referents(*[ref for ref in loose if type(ref) in plain])
+        return False
+
+    def any_has(self, pieces: list[object], kind: type) -> bool:
+        """Whether any of ``pieces`` (exactly str, or exactly bytes) has the needle, or a long one an
+        encoded form (joined by a character that is in neither: a match is within one piece)."""
+        if kind is str:
+            texts = cast(list[str], pieces)
+            long_texts = "\0".join(text for text in texts if len(text) >= _ENCODED_MIN)
+            return self.needle in "\0".join(texts) or any(form in long_texts for form in self.encoded)
+        datas = cast(list[bytes], pieces)
+        long_datas = b"\0".join(data for data in datas if len(data) >= _ENCODED_MIN)
+        return self.needle_bytes in b"\0".join(datas) or any(form in long_datas for form in self.encoded_bytes)
+
+    def read_chunk(self, chunk: list[object], hits: list[_Hit]) -> None:
         # The hot loop (every referent of every tracked object): str and bytes are tested inline;
         # a tracked referent is skipped, as it is searched in its turn as a holder.
-        hits: list[_Hit] = []
         marks: dict[type, str | bytes] = {str: self.needle, bytes: self.needle_bytes}
         holds, skip, encoded_in, least = self.holds, self.skip, self.encoded_in, _ENCODED_MIN
         get_referents, is_tracked, atoms, readers = gc.get_referents, gc.is_tracked, _ATOMS, self.readers
-        for holder in self.objects:
+        for holder in chunk:
             if id(holder) in skip:
                 continue
             if holds(holder):  # a tracked object with content: a BytesIO, a memoryview...
@@ -176,8 +221,6 @@ class _Search:
                         hits.append(_Hit(holder, (), ref))
                     elif found is None:
                         self.descend(holder, ref, hits)
-        self.scan_threads(hits)
-        return hits
 
     def scan_threads(self, hits: list[_Hit]) -> None:
         """Other threads' running frames: their locals are no referents of anything tracked."""
@@ -211,6 +254,8 @@ class _Search:
         read = self.readers.get(kind)
         if read is None:
             read = self.readers[kind] = self.reader(kind, obj)
+            if read is _container or read is _nothing:
+                self.plain.add(kind)
         return read(obj)
 
     def reader(self, kind: type, example: object) -> Callable[[object], bool | None]:
