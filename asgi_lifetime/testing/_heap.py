@@ -180,21 +180,15 @@ class _Search:
             if not plain.issuperset(kinds - _MARKED):
                 return True  # an untracked object with content (a bytearray...), or of a type not decided yet
             for kind in _MARKED & kinds:
-                if self.any_has([ref for ref in loose if type(ref) is kind], kind):
+                # Joined by a character that is in no needle or encoded form, a match is within one
+                # piece; an encoded form found in a short piece only makes the chunk read.
+                pieces = [ref for ref in loose if type(ref) is kind]
+                if self.has(
+                    "\0".join(cast(list[str], pieces)) if kind is str else b"\0".join(cast(list[bytes], pieces))
+                ):
                     return True
             refs = gc.get_referents(*[ref for ref in loose if type(ref) in plain])
         return False
-
-    def any_has(self, pieces: list[object], kind: type) -> bool:
-        """Whether any of ``pieces`` (exactly str, or exactly bytes) has the needle, or a long one an
-        encoded form (joined by a character that is in neither: a match is within one piece)."""
-        if kind is str:
-            texts = cast(list[str], pieces)
-            long_texts = "\0".join(text for text in texts if len(text) >= _ENCODED_MIN)
-            return self.needle in "\0".join(texts) or any(form in long_texts for form in self.encoded)
-        datas = cast(list[bytes], pieces)
-        long_datas = b"\0".join(data for data in datas if len(data) >= _ENCODED_MIN)
-        return self.needle_bytes in b"\0".join(datas) or any(form in long_datas for form in self.encoded_bytes)
 
     def read_chunk(self, chunk: list[object], hits: list[_Hit]) -> None:
         # The hot loop (every referent of every tracked object): str and bytes are tested inline;
