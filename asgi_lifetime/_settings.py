@@ -667,9 +667,11 @@ def redact_url(url: str) -> str:
         scheme, sep, userinfo = head.partition("://")
         if not sep:
             scheme, userinfo = "", head
-        user, colon, _ = userinfo.partition(":")
+        user, colon, secret = userinfo.partition(":")
         if colon:
-            url = f"{scheme}{sep}{user}:***@{rest}"
+            # A "?" or "#" before the "@" may start a query the "@" is in (``http://h:80/?k=a@b``):
+            # what follows it is then no host, and is hidden with the rest of that query.
+            url = f"{scheme}{sep}{user}:***@{'***' if re.search('[?#]', secret) else rest}"
     return re.sub(r"[?#].*", "?***", url, count=1, flags=re.DOTALL)
 
 
