@@ -42,7 +42,6 @@ from uvicorn.supervisors import Multiprocess, multiprocess
 
 from .. import __version__
 from .._settings import (
-    ENV_PREFIX,
     SETTINGS,
     GiB,
     KiB,
@@ -57,7 +56,7 @@ from .._settings import (
     collect_environ,
     redact_url,
 )
-from ..gateway._auth import is_loopback
+from ..gateway._auth import is_loopback, open_beyond_loopback
 from ..gateway._metrics import MULTIPROC_DIR_ENV
 from ..gateway._shutdown import request_shutdown
 from . import install_hint
@@ -270,28 +269,13 @@ def export_environ(settings: LifetimeSettings, environ: MutableMapping[str, str]
 
 
 def refusal(settings: LifetimeSettings, host: str) -> str | None:
-    """Why the gateway must not start on ``host`` with these settings, or ``None``.
-
-    With an upstream key and no gateway keys, anyone who can reach the port spends the key; with
-    gateway keys and no upstream key, the keys are not checked: either is only acceptable on a
-    loopback address.
-    """
-    if is_loopback(host):
+    """Why the gateway must not start on ``host`` with these settings, or ``None``: keys that leave
+    the port open (``open_beyond_loopback``) are only acceptable on a loopback address."""
+    gap = None if is_loopback(host) else open_beyond_loopback(settings.upstream_api_key, settings.gateway_keys)
+    if gap is None:
         return None
-    if settings.upstream_api_key and not settings.gateway_keys:
-        return (
-            f"refusing to serve on {host}: {ENV_PREFIX}UPSTREAM_API_KEY is set but {ENV_PREFIX}GATEWAY_KEYS is not, "
-            "so anyone who can reach this port would spend the key; set GATEWAY_KEYS or bind a loopback --host"
-        )
-    if settings.gateway_keys and not settings.upstream_api_key:
-        # The keys are checked only where the gateway injects its own key (the client's Authorization
-        # header is otherwise its upstream credential): an operator who set them believes the port closed.
-        return (
-            f"refusing to serve on {host}: {ENV_PREFIX}GATEWAY_KEYS is set but {ENV_PREFIX}UPSTREAM_API_KEY is not, "
-            "and gateway keys are checked only when the gateway injects its upstream key: anyone who can reach "
-            "this port would be served; set UPSTREAM_API_KEY, unset GATEWAY_KEYS, or bind a loopback --host"
-        )
-    return None
+    fix = "set GATEWAY_KEYS" if settings.upstream_api_key else "set UPSTREAM_API_KEY, unset GATEWAY_KEYS,"
+    return f"refusing to serve on {host}: {gap}; {fix} or bind a loopback --host"
 
 
 # ---------------------------------------------------------------------------
@@ -395,8 +379,8 @@ class _NoWebSocketQuery(logging.Filter):
         args = record.args
         if isinstance(record.msg, str) and '"WebSocket %s"' in record.msg and isinstance(args, tuple) and len(args) > 1:
             path = args[1]
-            if isinstance(path, str) and "?" in path:
-                record.args = (args[0], path.partition("?")[0] + "?***", *args[2:])
+            if isinstance(path, str):
+                record.args = (args[0], redact_url(path), *args[2:])
         return True
 
 

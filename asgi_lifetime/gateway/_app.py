@@ -37,7 +37,7 @@ from .._fingerprint import Fingerprint
 from .._middleware import Lifetime, LifetimeMiddleware
 from .._settings import LifetimeSettings
 from ._access_log import AccessLog
-from ._auth import GatewayAuth
+from ._auth import GatewayAuth, open_beyond_loopback
 from ._bookkeeping import Bookkeeper
 from ._forward import Forwarder
 from ._metrics import MULTIPROC_DIR_ENV, GatewayMetrics, make_metrics_route
@@ -81,13 +81,10 @@ def create_app(
     """
     if settings is None:
         settings = LifetimeSettings.from_environ()
-    if settings.upstream_api_key and not settings.gateway_keys:
-        logger.warning("an upstream key is set and no gateway keys: only loopback clients will be served")
-    elif settings.gateway_keys and not settings.upstream_api_key:
-        logger.warning(
-            "gateway keys are set and no upstream key: the keys are not checked (only a gateway that injects "
-            "its upstream key checks them); every client's own credential goes to the upstream"
-        )
+    gap = open_beyond_loopback(settings.upstream_api_key, settings.gateway_keys)
+    if gap is not None:
+        # With an upstream key and no gateway keys, GatewayAuth serves loopback clients only.
+        logger.warning("%s%s", gap, " (only loopback clients will be served)" if settings.upstream_api_key else "")
     lifetime = Lifetime(settings)
     book = make_session_book(settings, lifetime=lifetime, on_change=on_change)
     listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]

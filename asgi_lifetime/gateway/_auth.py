@@ -32,7 +32,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .._asgi import route_path, send_error
 from .._exceptions import AuthenticationError
 
-__all__ = ["CREDENTIAL_HEADERS", "REDACTED", "UPSTREAM_AUTH_SCHEMES", "GatewayAuth", "KeyScrubber", "is_loopback"]
+__all__ = [
+    "CREDENTIAL_HEADERS",
+    "REDACTED",
+    "UPSTREAM_AUTH_SCHEMES",
+    "GatewayAuth",
+    "KeyScrubber",
+    "is_loopback",
+    "open_beyond_loopback",
+]
 
 # Every header a client may carry a credential in, whatever the scheme the gateway injects.
 # Where clients put a key: OpenAI's SDK (Bearer), Anthropic's (x-api-key), Gemini's, Azure OpenAI's.
@@ -123,6 +131,23 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def open_beyond_loopback(upstream_api_key: str | None, gateway_keys: Collection[str]) -> str | None:
+    """What a client beyond loopback could do with these keys unchecked, or ``None``.
+
+    ``create_app`` warns with it; ``asgi-lifetime serve`` refuses a non-loopback host with it.
+    """
+    if upstream_api_key and not gateway_keys:
+        return "UPSTREAM_API_KEY is set but GATEWAY_KEYS is not, so anyone who can reach the port would spend the key"
+    if gateway_keys and not upstream_api_key:
+        # The keys are checked only where the gateway injects its own key (the client's Authorization
+        # header is otherwise its upstream credential): an operator who set them believes the port closed.
+        return (
+            "GATEWAY_KEYS is set but UPSTREAM_API_KEY is not, so the keys are not checked (only a gateway that "
+            "injects its upstream key checks them): anyone who can reach the port would be served"
+        )
+    return None
 
 
 def _presented(headers: list[tuple[bytes, bytes]]) -> bytes | None:
