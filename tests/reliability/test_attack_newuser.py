@@ -46,6 +46,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import asgi_lifetime
 from asgi_lifetime._cli._main import main as cli_main
@@ -244,6 +246,38 @@ def test_a_password_in_a_mistyped_url_is_not_shown_by_the_error(name: str, value
 )
 def test_redact_url_masks_what_precedes_the_last_at(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+_SEPARATORS = "/?#@:+=&%; "
+
+
+def _secret(marker: str) -> st.SearchStrategy[str]:
+    """A secret of marked pieces (``Zq0/Zq1?Zq2``) joined by characters that end URL parts."""
+    return st.lists(st.sampled_from(_SEPARATORS), min_size=0, max_size=4).map(
+        lambda seps: "".join(f"{marker}{i}{sep}" for i, sep in enumerate(seps)) + f"{marker}{len(seps)}"
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    scheme=st.sampled_from(["http://", "https://", "redis://", "redis//", "http:/", ""]),
+    user=st.sampled_from(["", "bob", "a.b-c"]),
+    password=_secret("Zq"),
+    host=st.sampled_from(["h", "127.0.0.1", "[::1]", "api.example.com"]),
+    port=st.sampled_from(["", ":8080"]),
+    path=st.sampled_from(["", "/", "/v1", "/p/q"]),
+    query=st.one_of(st.just(""), _secret("Qk").map(lambda value: f"?key={value}")),
+    fragment=st.one_of(st.just(""), _secret("Fr").map(lambda value: f"#{value}")),
+)
+def test_redact_url_never_shows_a_piece_of_a_password_query_or_fragment(
+    scheme: str, user: str, password: str, host: str, port: str, path: str, query: str, fragment: str
+) -> None:
+    # Whatever a password, query or fragment holds ("/", "?", "#", "@": base64, a mistyped URL, an "@" in a
+    # query), none of its pieces is shown: an "@" in a query once showed what followed it.
+    shown = redact_url(f"{scheme}{user}:{password}@{host}{port}{path}{query}{fragment}")
+    assert "Zq" not in shown and "Qk" not in shown and "Fr" not in shown, shown
+    shown = redact_url(f"{scheme}{host}{port}{path}{query}{fragment}")  # no user info
+    assert "Qk" not in shown and "Fr" not in shown, shown
 
 
 def _never_serve(*args: object, **kwargs: object) -> None:
