@@ -171,11 +171,12 @@ class Forwarder:
                 return
             resources: RequestResources = scope["state"]["lifetime"].resources
             resources.add(response.aclose)  # closed when the request settles, whatever happens below
-            exchange.upstream = response.extensions.get("asgi_lifetime.upstream")
             exchange.result = await self._relay(scope, watch, send, response, prepared, session_id)
         finally:
-            # Also when every attempt failed, the client left meanwhile, or a starved stream was re-issued.
+            # Also when every attempt failed, the client left meanwhile, or a starved stream was re-issued:
+            # the upstream tried last is named whether or not it answered (which one failed, for the operator).
             exchange.attempts = prepared.attempts
+            exchange.upstream = prepared.upstream
 
     async def _relay(
         self,

@@ -562,6 +562,7 @@ class UpstreamClient:
         """One attempt up to the response headers."""
         request = self._build(prepared, base)
         prepared.attempts += 1
+        prepared.upstream = base
         release = self._pool.acquire(base)
         try:
             with anyio.fail_after(self._settings.headers_timeout):
