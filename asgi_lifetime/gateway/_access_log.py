@@ -16,8 +16,9 @@ instead of the forwarding fields::
 What it never writes: the body (only its ``wire_hash`` and size),
 the query string (it is where API keys travel: ``?key=...``), credentials in the upstream
 URL (user info, query), and the session id in clear (an 8-hex-digit blake2b hash of it, so
-lines of one session can be correlated without the log holding the id). A field without a
-value (no first byte, no upstream, no session) is ``-``.
+lines of one session can be correlated without the log holding the id). ``upstream`` names the
+upstream tried last, also when it did not answer (refused connections). A field without a
+value (no first byte, no attempt made, no session) is ``-``.
 
 The same fields go to ``extra={"asgi_lifetime": {...}}``, with numbers as numbers and
 ``None`` for the missing ones, so a JSON formatter can emit them as they are::

@@ -102,6 +102,7 @@ class Outcome:
     bytes_out: int
     attempts: int
     upstream: str | None
+    """The base URL of the upstream tried last, whether or not it answered; ``None`` if none was tried."""
     started: float
     """``time.monotonic()`` at admission."""
     first_byte_at: float | None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -38,6 +39,14 @@ logger = logging.getLogger(__name__)
 # Request headers the gateway never forwards as received: the body is re-framed (and was
 # decoded by the middleware), and the upstream's Host is its own.
 _NOT_FORWARDED = frozenset({b"host", b"content-length", b"content-encoding", b"transfer-encoding", b"expect"})
+
+# What an HTTP/1.1 request can carry, as h11 checks it before httpcore sends anything (the aiohttp
+# transport hands such fields to httpcore): a token for the name; a value without NUL, CR, LF or other
+# whitespace than spaces and tabs between visible bytes. An ASGI server may pass the client more.
+_FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+_FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
+# Spaces and tabs around a value are not part of it (RFC 9110 5.5); servers strip them, a scope may not.
+_OWS = b" \t"
 
 
 class _InputCharge:
@@ -171,11 +180,12 @@ class Forwarder:
                 return
             resources: RequestResources = scope["state"]["lifetime"].resources
             resources.add(response.aclose)  # closed when the request settles, whatever happens below
-            exchange.upstream = response.extensions.get("asgi_lifetime.upstream")
             exchange.result = await self._relay(scope, watch, send, response, prepared, session_id)
         finally:
-            # Also when every attempt failed, the client left meanwhile, or a starved stream was re-issued.
+            # Also when every attempt failed, the client left meanwhile, or a starved stream was re-issued:
+            # the upstream tried last is named whether or not it answered (which one failed, for the operator).
             exchange.attempts = prepared.attempts
+            exchange.upstream = prepared.upstream
 
     async def _relay(
         self,
@@ -294,11 +304,10 @@ class Forwarder:
         # received body once a preparer changed it, each message once serialized) is freed.
         handover = [raw, parsed]
         del raw, parsed
-        headers = [  # filter_headers gives the names lower-case
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in filter_headers(scope["headers"])
-            if k not in _NOT_FORWARDED
-        ]
+        forwarded = [(k, v.strip(_OWS)) for k, v in filter_headers(scope["headers"]) if k not in _NOT_FORWARDED]
+        for name, value in forwarded:
+            _check_sendable(name, value)
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwarded]  # names are lower-case
         prepared = await prepare(
             handover.pop(0),
             handover.pop(0),
@@ -330,3 +339,18 @@ class Forwarder:
 
     def _conflicting_ids(self) -> RequestError:
         return RequestError(f"conflicting {self.settings.session_header} headers", code="conflicting_session_id")
+
+
+def _check_sendable(name: bytes, value: bytes) -> None:
+    """Refuse (400) a client's header field HTTP/1.1 cannot carry: the HTTP client would refuse the
+    request on every attempt. The value is never quoted: it may be a credential."""
+    if _FIELD_NAME.fullmatch(name) is None:
+        raise RequestError(
+            "a request header name is not an HTTP token, so it cannot be forwarded", code="invalid_header"
+        )
+    if _FIELD_VALUE.fullmatch(value) is None:
+        raise RequestError(
+            f"the request header {name.decode('latin-1')!r} has a value HTTP/1.1 cannot carry (a NUL, a line break,"
+            " or another control whitespace), so it cannot be forwarded",
+            code="invalid_header",
+        )

@@ -266,7 +266,8 @@ class Prepared:
     bytes, or a ``Spliced`` body (the received bytes with added items, not copied). A retained
     body may then move to disk (``spill_to``, ``RETAIN_OUTBOUND=disk``): ``body`` is None and
     ``spilled`` holds it; ``has_body`` and ``body_size`` answer for either place. ``attempts``
-    counts the times it was sent upstream (retries and a re-issue included), for bookkeeping.
+    counts the times it was sent upstream (retries and a re-issue included), and ``upstream`` is the
+    base URL of the last of them (None until one is made), for bookkeeping.
     """
 
     __slots__ = (
@@ -278,6 +279,7 @@ class Prepared:
         "refold",
         "remap_role",
         "attempts",
+        "upstream",
         "_settled",
         "__weakref__",
     )
@@ -300,6 +302,7 @@ class Prepared:
         self.refold = refold
         self.remap_role = remap_role
         self.attempts = 0
+        self.upstream: str | None = None
         self._settled = False
 
     @property

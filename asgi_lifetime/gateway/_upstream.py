@@ -73,8 +73,16 @@ class _Failure:
     # False once the upstream may have the whole request (it timed out waiting for the answer):
     # a non-streamed answer sends no headers until it is generated, so re-sending bills it twice.
     retryable: bool = True
+    # Our HTTP client refused the request (LocalProtocolError): our side of the wire, not the upstream's.
+    local: bool = False
 
     def error(self, attempts: int) -> UpstreamError:
+        if self.local:
+            return UpstreamError(
+                f"the gateway's HTTP client refused to send the request upstream ({self.reason}); it was not"
+                " retried, as every attempt would fail the same way",
+                code="request_unsendable",
+            )
         tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
         if self.timeout:
             return UpstreamTimeout(f"upstream did not answer in time ({self.reason}) after {tries}")
@@ -562,6 +570,7 @@ class UpstreamClient:
         """One attempt up to the response headers."""
         request = self._build(prepared, base)
         prepared.attempts += 1
+        prepared.upstream = base
         release = self._pool.acquire(base)
         try:
             with anyio.fail_after(self._settings.headers_timeout):
@@ -587,6 +596,11 @@ class UpstreamClient:
             # A read timeout comes after the request was sent; a write or pool timeout before.
             retryable = resend_safe(request.method, body_sent=isinstance(exc, httpx.ReadTimeout))
             return _Failure(timeout=True, reason=type(exc).__name__, retryable=retryable)
+        except httpx.LocalProtocolError as exc:
+            release()
+            # Raised by our own client on a request HTTP/1.1 cannot carry (h11's checks, before it is sent):
+            # deterministic, so never retried, and the upstream is not to blame.
+            return _Failure(timeout=False, reason=type(exc).__name__, retryable=False, local=True)
         except httpx.TransportError as exc:
             release()
             return _Failure(timeout=False, reason=type(exc).__name__)

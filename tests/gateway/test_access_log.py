@@ -5,9 +5,12 @@ import json
 import logging
 import re
 
+import httpx
 import pytest
 
+from asgi_lifetime import LifetimeSettings
 from asgi_lifetime._fingerprint import Fingerprint, fingerprint
+from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._access_log import ACCESS_LOGGER, AccessLog, public_path, public_url, session_hash
 from asgi_lifetime.gateway._bookkeeping import Bookkeeper, Outcome, record_outcome
 
@@ -223,3 +226,44 @@ def test_public_url(url: str, expected: str) -> None:
 )
 def test_public_path(path: str, expected: str) -> None:
     assert public_path(path) == expected
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("answer", "body", "status", "attempts"),
+    [
+        ("refused", b'{"model": "m"}', 502, 2),  # every attempt failed to connect: upstream_unreachable
+        ("busy", b'{"model": "m"}', 503, 2),  # every attempt 503'd: the last 503 goes to the client
+        ("busy", b"{bad", 400, 0),  # refused by the forwarder (invalid_json): no attempt, no upstream
+    ],
+)
+async def test_the_line_names_the_upstream_tried_last(
+    answer: str, body: bytes, status: int, attempts: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: upstream=- when every attempt failed to connect, so an operator could not tell which one failed.
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    tried: list[str] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        tried.append(f"http://{request.url.host}/base")
+        if answer == "refused":
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(503, json={"error": {"message": "overloaded"}})
+
+    settings = LifetimeSettings(
+        upstream_url=("http://user:PASSWORDMARKER@a.test/base", "http://b.test/base"),
+        max_attempts=2,
+        backoff_base=0.001,
+        backoff_max=0.002,
+    )
+    app = create_app(settings, transport=httpx.MockTransport(upstream))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client:
+        response = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    assert len(tried) == attempts
+    [record] = access_records(caplog)
+    fields = record.__dict__["asgi_lifetime"]
+    assert fields["attempts"] == attempts
+    assert fields["upstream"] == (tried[-1] if tried else None)
+    assert parse_logfmt(record.getMessage())["upstream"] == (tried[-1] if tried else "-")
+    assert "PASSWORDMARKER" not in record.getMessage()

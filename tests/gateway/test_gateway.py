@@ -419,6 +419,46 @@ async def test_healthz() -> None:
     assert app.state.lifetime.stats().admitted == 0  # not counted as a forwarded request
 
 
+@pytest.mark.parametrize("keys", [(), ("client-key",)])
+@pytest.mark.parametrize(
+    "path", ["/v1/realtime?model=m", "/ws/google.ai.generativelanguage.v1beta.BidiGenerateContent"]
+)
+async def test_a_websocket_is_closed_before_it_is_accepted(path: str, keys: tuple[str, ...]) -> None:
+    # The gateway proxies HTTP only (docs/operators.md, "WebSocket clients"): Starlette has no websocket
+    # route, so the handshake is closed before it is accepted, which an ASGI server answers with HTTP 403
+    # (uvicorn: tests/reliability/test_attack_newuser.py::test_serve_does_not_log_the_key_in_a_websocket_query).
+    path, _, query = path.partition("?")
+    scope = {
+        "type": "websocket",
+        "asgi": {"version": "3.0"},
+        "scheme": "ws",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": [(b"host", b"testserver"), (b"sec-websocket-version", b"13")],
+        "client": ("127.0.0.1", 5555),
+        "server": ("testserver", 80),
+        "subprotocols": [],
+        "state": {},
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    settings = make_settings(gateway_keys=keys, upstream_api_key="sk-up" if keys else None)
+    with respx.mock(base_url=BASE, assert_all_called=False) as router:
+        route = router.route()
+        async with gateway(settings) as (app, _):
+            await app(scope, receive, send)
+    assert [message["type"] for message in sent] == ["websocket.close"]  # no websocket.accept
+    assert not route.called and app.state.lifetime.stats().admitted == 0
+
+
 async def test_stats_are_idle_after_requests_and_totals_are_right() -> None:
     with respx.mock(base_url=BASE, assert_all_called=True) as router:
         ok = router.post(PATH).respond(200, json=OK)

@@ -17,7 +17,7 @@ import pytest
 import respx
 
 from asgi_lifetime import Lifetime, _json
-from asgi_lifetime._exceptions import UpstreamTimeout, UpstreamUnreachable
+from asgi_lifetime._exceptions import UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from asgi_lifetime._fingerprint import fingerprint
 from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._settings import LifetimeSettings
@@ -402,6 +402,25 @@ async def test_exhausted_transport_errors_raise(
     assert info.value.status_code == code
     assert type(error).__name__ in str(info.value) and "3 attempts" in str(info.value)
     assert "secret" not in str(info.value)
+
+
+async def test_a_request_our_own_client_refuses_is_not_retried() -> None:
+    """httpx raises LocalProtocolError for a request it will not send (h11's checks, before anything is
+    sent): every attempt would fail the same way, and the upstream is not to blame. Before: retried
+    MAX_ATTEMPTS times, then 502 "upstream unreachable (LocalProtocolError) after 4 attempts"."""
+    recorder = Recorder()
+    with respx.mock(base_url=BASE, assert_all_called=True) as router:
+        route = router.post(PATH).mock(side_effect=httpx.LocalProtocolError("Illegal header value b'a\\x00b'"))
+        async with make_upstream(recorder) as upstream:
+            with pytest.raises(UpstreamError) as info:
+                await upstream.forward(simple(), on_retries_settled=recorder.on_settled)
+            [state] = upstream.describe()
+    assert route.call_count == 1 and recorder.sleeps == [] and recorder.settled == 1
+    assert not isinstance(info.value, UpstreamUnreachable | UpstreamTimeout)
+    assert info.value.status_code == 502 and info.value.code == "request_unsendable"
+    assert "unreachable" not in str(info.value) and "LocalProtocolError" in str(info.value)
+    assert "Illegal header" not in str(info.value)  # h11's message quotes the value, which may be a key
+    assert state["down_for"] is None  # the upstream is not put in cool-off for our own refusal
 
 
 async def test_headers_timeout_is_enforced_per_attempt() -> None:

@@ -444,3 +444,71 @@ def test_aiohttp_internals_the_guard_relies_on() -> None:
     assert "_factory" in init and "_acquired" in init and "_waiters" in init
     assert hasattr(aiohttp.StreamReader, "_read_nowait")
     assert hasattr(aiohttp.TCPConnector, "_create_connection") and issubclass(_GuardedConnector, aiohttp.TCPConnector)
+
+
+@contextlib.asynccontextmanager
+async def gateway(choice: str, upstream_url: str, **options: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway over the ``choice`` transport (started: the transport is chosen), and a client for it.
+    ``ASGITransport`` passes header bytes uvicorn would refuse itself; another ASGI server may too."""
+    app = create_app(LifetimeSettings(upstream_url=(upstream_url,), upstream_transport=choice), **options)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as client:
+            yield client
+
+
+@pytest.mark.parametrize("choice", TRANSPORTS)
+@pytest.mark.parametrize("value", [b"SECRET\x00b", b"SECRET\r\nx-injected: 1", b"SECRET\x0cb", b" SECRET\vb"])
+@pytest.mark.parametrize(("path", "shape"), [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")])
+async def test_a_header_http11_cannot_carry_is_the_clients_400(
+    choice: str, value: bytes, path: str, shape: str, anyio_backend: str
+) -> None:
+    # Before: h11 refused it on each attempt (LocalProtocolError, also on aiohttp, which hands such
+    # fields to httpcore), retried MAX_ATTEMPTS times, then 502 "upstream unreachable".
+    if not runs_here(choice, anyio_backend):
+        return
+    with raw_upstream(lambda request: [response(200, b"{}")]) as upstream:
+        async with gateway(choice, upstream.url) as client:
+            answer = await client.post(path, json={"model": "m"}, headers=[(b"x-trace", value)])
+    assert upstream.requests == []
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    if shape == "anthropic":
+        assert answer.json()["type"] == "error" and error["type"] == "invalid_request_error"
+    assert "x-trace" in error["message"] and "unreachable" not in error["message"]
+    assert "SECRET" not in answer.text  # a value is never quoted: it may be a credential
+
+
+@pytest.mark.parametrize("choice", TRANSPORTS)
+async def test_a_request_our_own_client_refuses_is_a_502_not_retried(choice: str, anyio_backend: str) -> None:
+    # A preparer (the gateway's side, not the client's) adds a header with a line break: httpx refuses
+    # to send it on either transport. Before: retried MAX_ATTEMPTS times, then "upstream unreachable".
+    if not runs_here(choice, anyio_backend):
+        return
+
+    def bad_header(draft: Any) -> None:
+        draft.headers["x-routed"] = "a\nb"
+
+    with raw_upstream(lambda request: [response(200, b"{}")]) as upstream:
+        async with gateway(choice, upstream.url, preparers=[bad_header]) as client:
+            answer = await client.post("/v1/chat/completions", json={"model": "m"})
+    assert upstream.requests == []
+    assert answer.status_code == 502
+    error = answer.json()["error"]
+    assert error["code"] == "request_unsendable" and "unreachable" not in error["message"]
+    assert "not" in error["message"] and "retried" in error["message"]
+
+
+@pytest.mark.parametrize("choice", TRANSPORTS)
+async def test_spaces_and_tabs_around_a_header_value_are_dropped(choice: str, anyio_backend: str) -> None:
+    # Not part of the value (RFC 9110 5.5): h11 refused them, aiohttp sent them; now both send the value.
+    if not runs_here(choice, anyio_backend):
+        return
+    with raw_upstream(lambda request: [response(200, b"{}")]) as upstream:
+        async with gateway(choice, upstream.url) as client:
+            answer = await client.post(
+                "/v1/chat/completions", json={"model": "m"}, headers=[(b"x-trace", b" \ta b\t ")]
+            )
+    assert answer.status_code == 200
+    [request] = upstream.requests
+    assert b"\r\nx-trace: a b\r\n" in request.raw_head

@@ -161,13 +161,14 @@ async def _through_gateway(upstream_url: str, body: dict[str, Any], **changes: A
 async def test_the_access_log_counts_the_attempts_of_an_unreachable_upstream(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # Nothing listens on the port: every attempt fails to connect. Before: attempts=0.
+    # Nothing listens on the port: every attempt fails to connect. Before: attempts=0, then upstream=-.
     caplog.set_level(logging.INFO, logger="asgi_lifetime.access")
-    status, body = await _through_gateway(f"http://127.0.0.1:{free_port()}", STREAM_BODY)
+    port = free_port()
+    status, body = await _through_gateway(f"http://127.0.0.1:{port}", STREAM_BODY)
     assert status == 502 and b"upstream_unreachable" in body
     [line] = _access_records(caplog)
     assert line["attempts"] == FAST["max_attempts"]
-    assert line["status"] == 502 and line["upstream"] is None
+    assert line["status"] == 502 and line["upstream"] == f"http://127.0.0.1:{port}"
 
 
 @pytest.mark.anyio
