@@ -30,7 +30,13 @@ Guards, for ``text/event-stream`` without a ``content-encoding`` (an *in-band* s
   starved. A starving terminal (``[DONE]`` with nothing before it) is held back (at most
   ``_WITHHOLD_LIMIT``) so that the error event replaces it. A starved stream is re-issued
   once via ``reissue`` only if the client has received no upstream event at all
-  (keep-alives and comments do not count), so a client never gets an answer twice.
+  (keep-alives and comments do not count), so a client never gets an answer twice;
+- a first error, the same way: when the upstream's first error event names its own failure
+  before any content (``SSETracker.failed_early``: ``overloaded_error``, ``server_error``...,
+  never an error naming the request) and that one re-issue is still possible, the event (and
+  any event read with it) is withheld, the response is not read further, and the request is
+  re-issued. If the re-issue fails or its answer cannot continue the stream, the client gets the
+  withheld events and the end of the stream, what it would have had without the re-issue.
 
 Other streams only get the stall guard (the body just ends). The upstream response is
 closed whatever happens, cancellation included.
@@ -813,10 +819,11 @@ async def relay(
 ) -> RelayResult:
     """Stream an open httpx response (``client.send(request, stream=True)``) to an ASGI client.
 
-    ``reissue`` is called at most once, when an in-band stream starved before the client saw
-    any content; it returns a new open response (relayed into the same client response) or
-    None. ``counters.stalled`` / ``counters.starved`` count each stalled / starved upstream
-    response. The upstream response (and a re-issued one) is always closed on return.
+    ``reissue`` is called at most once, when an in-band stream starved, or its first event is
+    the upstream's transient error, before the client received any upstream event; it returns a
+    new open response (relayed into the same client response) or None. ``counters.stalled`` /
+    ``counters.starved`` count each stalled / starved upstream response (a re-issued first error
+    is neither). The upstream response (and a re-issued one) is always closed on return.
     ``stop``, when set, ends the stream early (graceful shutdown out of grace): a 503 if
     nothing was sent yet, else an in-band SSE ``error`` event with code ``shutting_down``.
     The gateway's own errors take ``error_shape`` (see ``error_shape()``). ``watch``: the request's

@@ -26,7 +26,10 @@ Only a recognised format is judged event by event. An event can be *content* (a 
 text / tool-call / reasoning delta), *terminal* (``[DONE]``, a ``finish_reason``,
 ``stop_reason``, ``message_stop``, ``response.completed`` ...) and, when terminal, a
 *natural stop* (the terminal names a normal reason such as ``stop``, ``length``,
-``end_turn``) or an *error* (the upstream said why it failed). Any other stream
+``end_turn``) or an *error* (the upstream said why it failed); an error is *transient* when it
+names the upstream's own failure, one a second request would likely not meet (``_transient``:
+``overloaded_error``, ``server_error``...), and ``SSETracker.failed_early`` says a stream's first
+error was one, before any content (the relay then re-issues it). Any other stream
 (transcription, image or speech events, a custom format), and a stream once it carried an
 oversized event, is output as soon as it has one event: only an event-less stream starves.
 Once a stream has shown content, an event whose text shows it can be neither terminal nor an
