@@ -121,6 +121,7 @@ GEMINI_ANSWER = sse({"candidates": [{"content": {"parts": [{"text": "Hi"}]}, "fi
 TRANSIENT = {
     "anthropic-overloaded": (anthropic_error("overloaded_error"), anthropic_answer()),
     "anthropic-api-error": (anthropic_error("api_error", "Internal server error"), anthropic_answer()),
+    "anthropic-overloaded-crlf": (anthropic_error("overloaded_error").replace(b"\n", b"\r\n"), anthropic_answer()),
     "chat-server-error": (chat_error("server_error"), CHAT_ANSWER),
     "chat-server-error-code": (chat_error("server_error", "server_error"), CHAT_ANSWER),
     "chat-overloaded-named-error": (b"event: error\n" + chat_error("overloaded_error"), CHAT_ANSWER),
@@ -441,6 +442,22 @@ async def test_an_error_followed_by_a_huge_event_in_the_same_read_is_relayed_who
     assert client.body == error + big + rest and client.ended
     events = SSEParser(limit=4 * 1024 * 1024).feed(client.body)
     assert len(events) == 4  # the error, the big event (whole), the stop, [DONE]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "before",
+    [sse({"kind": "custom", "n": 1}), sse("not json"), sse({"error": None, "x": 1})],
+    ids=["unknown-format", "not-json", "null-error-member"],
+)
+async def test_an_event_no_rule_can_judge_before_the_error_makes_it_output(before: bytes) -> None:
+    # In the same read as the error, an event of no known format: it may be output, so nothing is re-issued.
+    error = chat_error("server_error")
+    _, response = sse_response(before + error)
+    reissue = Reissuer(upstream_response(Upstream(CHAT_ANSWER), headers=SSE_HEADERS))
+    client = Client()
+    await run(response, client, reissue=reissue)
+    assert reissue.calls == 0 and client.body == before + error
 
 
 @pytest.mark.anyio
