@@ -30,7 +30,13 @@ Guards, for ``text/event-stream`` without a ``content-encoding`` (an *in-band* s
   starved. A starving terminal (``[DONE]`` with nothing before it) is held back (at most
   ``_WITHHOLD_LIMIT``) so that the error event replaces it. A starved stream is re-issued
   once via ``reissue`` only if the client has received no upstream event at all
-  (keep-alives and comments do not count), so a client never gets an answer twice.
+  (keep-alives and comments do not count), so a client never gets an answer twice;
+- a first error, the same way: when the upstream's first error event names its own failure
+  before any content (``SSETracker.failed_early``: ``overloaded_error``, ``server_error``...,
+  never an error naming the request) and that one re-issue is still possible, the event (and
+  any event read with it) is withheld, the response is not read further, and the request is
+  re-issued. If the re-issue fails or its answer cannot continue the stream, the client gets the
+  withheld events and the end of the stream, what it would have had without the re-issue.
 
 Other streams only get the stall guard (the body just ends). The upstream response is
 closed whatever happens, cancellation included.
@@ -235,8 +241,11 @@ class _Relay:
         self.cr_last = False  # the last byte sent is an upstream's \r (its \n may still come)
         # A keep-alive followed that \r: the upstream's \n right after it is not sent (see _on_chunk).
         self.lf_dropped = False
-        self.withheld: list[bytes] = []  # whole events held back after a starving terminal
+        self.withheld: list[bytes] = []  # whole events held back after a starving terminal or a first error
         self.withheld_size = 0
+        # The upstream's first event is a transient error (SSETracker.failed_early), withheld: this attempt
+        # is over, and a re-issue may replace it (see _failed_early).
+        self.failing = False
         self.delivered = False  # the client has received (part of) an upstream event
         # Keep-alive bookkeeping: is the main task waiting on the upstream, and when did the client last get bytes.
         self.waiting = False
@@ -356,6 +365,12 @@ class _Relay:
                 async with self.lock:
                     await self._send_body(self._take_tail(), more_body=False)
                 return "upstream_error" if tracker is not None and tracker.saw_error else "complete"
+            if self.failing:
+                next_response = await self._failed_early(response, tracker)
+                if next_response is None:
+                    return "upstream_error"
+                response = next_response
+                continue
             if tracker.starved and not self.passthrough:
                 next_response = await self._starved(response, tracker)
                 if next_response is None:
@@ -411,27 +426,54 @@ class _Relay:
             message = "the upstream stream ended without a terminal event; the output may be incomplete"
         else:
             message = "the upstream produced no output"
-        # Only a client that has no upstream event yet can be given a second answer instead.
-        if not self.delivered and self.reissue is not None and not self.reissued:
-            next_response = await self._reissue(response, self.reissue)
+        reissue = self._reissuer()
+        if reissue is not None:
+            next_response = await self._reissue(response, reissue)
             if next_response is not None:
                 return next_response
         await self._fail(UpstreamStarved(message))
         return None
 
+    async def _failed_early(self, response: httpx.Response, tracker: SSETracker) -> httpx.Response | None:
+        """The upstream's first event is a transient error, withheld (``self.failing``): re-issue (the response
+        to continue with), else send the client what it would have had without the re-issue, that error."""
+        self.failing = False
+        # Not the upstream's message: it may quote the request.
+        logger.warning(
+            "upstream failed before any output: format=%s, a transient in-band error event; re-issuing",
+            tracker.format.name if tracker.format is not None else None,
+        )
+        reissue = self._reissuer()  # still allowed: nothing was read since the error was withheld
+        next_response = None if reissue is None else await self._reissue(response, reissue)
+        if next_response is not None:
+            return next_response
+        async with self.lock:
+            # The events withheld are whole; what followed them was not read, or is an unfinished event.
+            self.tail.clear()
+            await self._flush_withheld()
+            await self._send_body(b"", more_body=False)
+        return None
+
+    def _reissuer(self) -> Callable[[], Awaitable[httpx.Response | None]] | None:
+        """``reissue`` if a second answer may still replace this one: the client has received no upstream
+        event (keep-alives and comments do not count, so it never gets two answers), and the one re-issue
+        is not spent."""
+        return None if self.delivered or self.reissued else self.reissue
+
     async def _reissue(
         self, response: httpx.Response, reissue: Callable[[], Awaitable[httpx.Response | None]]
     ) -> httpx.Response | None:
-        """Re-issue once; return the response to continue with, or None."""
+        """Re-issue once; return the response to continue with, or None (the withheld events are then
+        still held: the caller sends or drops them)."""
         self.reissued = True
         await close_response(response)
         async with self.lock:
-            self._drop_held()  # the client saw none of it, and is between events
+            self.tail.clear()  # the client saw none of it, and is between events
         self.waiting = True  # keep-alives continue while the new request is under way
         try:
             new = await reissue()
         except (LifetimeError, httpx.HTTPError) as exc:
-            logger.warning("re-issue after starvation failed: %s", type(exc).__name__)
+            logger.warning("re-issue failed: %s", type(exc).__name__)
             return None
         finally:
             self.waiting = False
@@ -459,6 +501,8 @@ class _Relay:
                 stall = anyio.CancelScope()
                 with stall:
                     while True:
+                        if self.failing:
+                            return  # an attempt that failed early is not read further (see _failed_early)
                         self.waiting = finished = True
                         stall.deadline = anyio.current_time() + self.stall_timeout
                         try:
@@ -535,15 +579,21 @@ class _Relay:
             await self._send_body(self._unmarked(self._take_tail()))
 
     async def _release(self, tracker: SSETracker, events: bytes, completed: int) -> None:
-        """Send whole events, unless they follow a terminal that would count as starvation."""
-        if self.hold_ok and not tracker.saw_content and (self.withheld or (tracker.saw_terminal and tracker.starved)):
-            # If the stream ends like this it starved, and the client must get the error event
-            # (or the re-issued stream), not this terminal. Held until the stream ends; bounded.
-            if self.withheld_size + len(events) <= _WITHHOLD_LIMIT:
-                self.withheld.append(events)
-                self.withheld_size += len(events)
-                return
-            self.hold_ok = False
+        """Send whole events, unless they follow a terminal that would count as starvation, or the
+        upstream's first error is one a re-issue may cure."""
+        if self.hold_ok and not tracker.saw_content:
+            failing = tracker.failed_early and self._reissuer() is not None
+            if failing or self.withheld or (tracker.saw_terminal and tracker.starved):
+                # If the stream ends like this it starved, and the client must get the error event
+                # (or the re-issued stream), not this terminal. Held until the stream ends; bounded.
+                # An early failure ends the attempt at once: the re-issue (or, failing that, the
+                # upstream's error) follows.
+                if self.withheld_size + len(events) <= _WITHHOLD_LIMIT:
+                    self.withheld.append(events)
+                    self.withheld_size += len(events)
+                    self.failing = failing
+                    return
+                self.hold_ok = False
         await self._flush_withheld()
         if events:
             await self._send_body(events)
@@ -570,6 +620,7 @@ class _Relay:
     async def _flush_withheld(self) -> None:
         withheld, self.withheld = self.withheld, []
         self.withheld_size = 0
+        self.failing = False  # the client gets the events: no re-issue replaces them now
         if withheld:
             self.delivered = True  # withheld bytes hold at least the terminal event
             await self._send_body(b"".join(withheld))
@@ -768,10 +819,11 @@ async def relay(
 ) -> RelayResult:
     """Stream an open httpx response (``client.send(request, stream=True)``) to an ASGI client.
 
-    ``reissue`` is called at most once, when an in-band stream starved before the client saw
-    any content; it returns a new open response (relayed into the same client response) or
-    None. ``counters.stalled`` / ``counters.starved`` count each stalled / starved upstream
-    response. The upstream response (and a re-issued one) is always closed on return.
+    ``reissue`` is called at most once, when an in-band stream starved, or its first event is
+    the upstream's transient error, before the client received any upstream event; it returns a
+    new open response (relayed into the same client response) or None. ``counters.stalled`` /
+    ``counters.starved`` count each stalled / starved upstream response (a re-issued first error
+    is neither). The upstream response (and a re-issued one) is always closed on return.
     ``stop``, when set, ends the stream early (graceful shutdown out of grace): a 503 if
     nothing was sent yet, else an in-band SSE ``error`` event with code ``shutting_down``.
     The gateway's own errors take ``error_shape`` (see ``error_shape()``). ``watch``: the request's

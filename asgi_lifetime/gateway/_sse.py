@@ -26,7 +26,10 @@ Only a recognised format is judged event by event. An event can be *content* (a 
 text / tool-call / reasoning delta), *terminal* (``[DONE]``, a ``finish_reason``,
 ``stop_reason``, ``message_stop``, ``response.completed`` ...) and, when terminal, a
 *natural stop* (the terminal names a normal reason such as ``stop``, ``length``,
-``end_turn``) or an *error* (the upstream said why it failed). Any other stream
+``end_turn``) or an *error* (the upstream said why it failed); an error is *transient* when it
+names the upstream's own failure, one a second request would likely not meet (``_transient``:
+``overloaded_error``, ``server_error``...), and ``SSETracker.failed_early`` says a stream's first
+error was one, before any content (the relay then re-issues it). Any other stream
 (transcription, image or speech events, a custom format), and a stream once it carried an
 oversized event, is output as soon as it has one event: only an event-less stream starves.
 Once a stream has shown content, an event whose text shows it can be neither terminal nor an
@@ -381,6 +384,7 @@ class EventClass:
     error: bool = False
     text: str = ""  # the visible answer text it adds (not reasoning, not tool arguments)
     message: str = ""  # the upstream's own error message, if it is an error
+    transient: bool = False  # an error that says the upstream failed on its side (see _transient)
 
 
 _NOTHING = EventClass()
@@ -406,10 +410,10 @@ def _error_message(value: Any) -> str:
 
 
 class _Accumulator:
-    __slots__ = ("content", "terminal", "natural", "error", "text", "message")
+    __slots__ = ("content", "terminal", "natural", "error", "transient", "text", "message")
 
     def __init__(self) -> None:
-        self.content = self.terminal = self.natural = self.error = False
+        self.content = self.terminal = self.natural = self.error = self.transient = False
         self.text: list[str] = []
         self.message = ""
 
@@ -433,7 +437,14 @@ class _Accumulator:
             error=self.error,
             text="".join(self.text),
             message=self.message,
+            transient=self.error and self.transient,
         )
+
+    def fail(self, error: Any) -> None:
+        """The upstream says the response failed; ``error`` is its error object, if it gave one."""
+        self.error = True
+        self.message = _error_message(error) or "the upstream response failed"
+        self.transient = _transient(error)
 
 
 def _openai_message(acc: _Accumulator, message: dict[str, Any]) -> None:
@@ -469,8 +480,7 @@ def _responses_object(acc: _Accumulator, response: dict[str, Any]) -> None:
     if status in ("completed", "incomplete"):
         acc.terminal = acc.natural = True
     elif status == "failed":
-        acc.error = True
-        acc.message = _error_message(response.get("error")) or "the upstream response failed"
+        acc.fail(response.get("error"))
     for item in _dicts(response.get("output")):
         if item.get("type") == "message":
             for part in _dicts(item.get("content")):
@@ -487,12 +497,45 @@ def _kind(payload: dict[str, Any]) -> str:
     return kind if isinstance(kind, str) else ""
 
 
+# What names an in-band error as the upstream's own failure, one a second request would likely not meet:
+# Anthropic's ``api_error`` (its 500) and ``overloaded_error`` (529), OpenAI's ``server_error`` (a type in
+# chat completions, a code in Responses), Gemini's ``INTERNAL`` / ``UNAVAILABLE`` statuses, and the HTTP
+# codes OpenRouter and Gemini put in the error: the statuses the SDKs retry when they come as statuses
+# (``_retry.RETRY_STATUSES`` and 500). Not a rate limit (429, ``rate_limit_error``, a quota): it wants a
+# wait, and an in-band error is re-issued at once. Not a timeout (504, ``timeout_error``): the upstream
+# may have done the work. Not anything naming the request (invalid, too long, unauthorized, not found).
+_TRANSIENT_NAMES = frozenset({"api_error", "overloaded_error", "server_error", "INTERNAL", "UNAVAILABLE"})
+_TRANSIENT_CODES = frozenset({500, 502, 503, 529})
+
+
+def _transient(error: Any) -> bool:
+    """An error object that names only the upstream's own failure (see ``_TRANSIENT_NAMES``).
+
+    Conservative: every name it gives (``type``, ``code``, ``status``; the ``"type": "error"`` of the
+    event itself aside) must be one of those, so a ``server_error`` with a code naming the request, or
+    with a code not known here, is not transient, nor is an error naming nothing.
+    """
+    if not isinstance(error, dict):
+        return False
+    names = [error[key] for key in ("type", "code", "status") if error.get(key) not in (None, "error")]
+    return bool(names) and all(
+        name in _TRANSIENT_NAMES if isinstance(name, str) else type(name) is int and name in _TRANSIENT_CODES
+        for name in names
+    )
+
+
 def _error_class(event: str, payload: Any) -> EventClass | None:
-    """An upstream error event, in any format: ``event: error``, ``"type": "error"`` or an ``error`` member."""
+    """An upstream error event, in any format: ``event: error``, ``"type": "error"`` or an ``error`` member.
+
+    Its error object is the ``error`` member, or else the event itself (the Responses API's ``error``
+    event carries ``code`` and ``message`` at the top).
+    """
     if isinstance(payload, dict):
         if event == "error" or _kind(payload) == "error" or payload.get("error") is not None:
-            message = _error_message(payload.get("error")) or "the upstream reported an error"
-            return EventClass(terminal=True, error=True, message=message)
+            error = payload.get("error")
+            message = _error_message(error) or "the upstream reported an error"
+            transient = _transient(payload if error is None else error)
+            return EventClass(terminal=True, error=True, message=message, transient=transient)
         return None
     if event == "error":
         return EventClass(terminal=True, error=True, message="the upstream reported an error")
@@ -528,8 +571,7 @@ def _responses(event: str, payload: dict[str, Any], acc: _Accumulator) -> None:
     if kind in ("response.completed", "response.incomplete"):
         acc.terminal = acc.natural = True
     elif kind == "response.failed":
-        acc.error = True
-        acc.message = _error_message(_dict(payload.get("response")).get("error")) or "the upstream response failed"
+        acc.fail(_dict(payload.get("response")).get("error"))
     elif kind == "response.output_text.delta":
         acc.add_text(payload.get("delta"))
     elif kind in _RESPONSES_CONTENT_DELTAS:
@@ -758,6 +800,7 @@ class SSETracker:
         "saw_natural_stop",
         "saw_error",
         "error_message",
+        "error_transient",
     )
 
     def __init__(self, *, keep_text: bool = False, limit: int = MAX_BUFFER) -> None:
@@ -774,6 +817,7 @@ class SSETracker:
         self.saw_natural_stop = False
         self.saw_error = False
         self.error_message = ""  # the upstream's own message from its first error event
+        self.error_transient = False  # that event names the upstream's own failure (see _transient)
 
     @property
     def parser(self) -> SSEParser:
@@ -793,6 +837,13 @@ class SSETracker:
         if not self.saw_terminal:
             return True
         return not (self.saw_content or self.saw_natural_stop)
+
+    @property
+    def failed_early(self) -> bool:
+        """The upstream failed on its side before producing anything: its first error event names a
+        failure a second request would likely not meet (``_transient``), and no content came, nor any
+        event the rules could not judge. Re-issuing such a stream loses nothing."""
+        return self.error_transient and not self.saw_content and (self.judged or not self.saw_event)
 
     @property
     def text(self) -> str:
@@ -854,6 +905,7 @@ class SSETracker:
         if kind.error and not self.saw_error:
             self.saw_error = True
             self.error_message = kind.message
+            self.error_transient = kind.transient
 
 
 def sse_event(event: str, data: Mapping[str, Any]) -> bytes:

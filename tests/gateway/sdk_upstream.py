@@ -62,7 +62,8 @@ class Fault:
     ``half=True`` it first sends the first half of the next event). ``stall_after``: send this many
     events, then go silent until the peer hangs up (bounded by ``STALL_BOUND``). ``hold``: wait this
     long before answering at all (no headers), or until the peer hangs up. ``error_after``: send this
-    many events, then the provider's in-band error event (``message``, ``code``), and end the stream.
+    many events, then the provider's in-band error event (``message``, ``code``; on the Anthropic path
+    ``code`` is the error's type, ``overloaded_error`` if None), and end the stream.
     """
 
     status: int | None = None
@@ -392,7 +393,7 @@ def anthropic_error(fault: Fault) -> Response:
 def error_event(path: str, fault: Fault) -> tuple[str | None, Any]:
     """The in-band error each API sends when a stream fails after it started."""
     if path == ANTHROPIC_PATH:
-        return "error", {"type": "error", "error": {"type": "overloaded_error", "message": fault.message}}
+        return "error", {"type": "error", "error": {"type": fault.code or "overloaded_error", "message": fault.message}}
     if path == "/v1/responses":
         error = {"type": "error", "code": fault.code, "message": fault.message, "param": None, "sequence_number": 99}
         return "error", error

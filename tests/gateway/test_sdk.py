@@ -764,24 +764,62 @@ def test_gateway_unreachable_upstream_is_not_retried_again_by_the_sdk() -> None:
             served.wait_idle()
 
 
-@pytest.mark.parametrize("where", ["first", "after-content"])
+def _transient_code(path: str) -> str:
+    """What the API calls a failure on its own side, in its in-band error: a second request would not meet it."""
+    return "overloaded_error" if path == MESSAGES else "server_error"
+
+
+def _inband_error(stream: Any) -> str:
+    """Read ``stream`` until the upstream's in-band error; its message ("" if none came)."""
+    try:
+        for event in stream:
+            if getattr(event, "type", None) == "error":  # the Responses API's error is an event, not raised
+                return str(event.message)
+    except (openai.APIError, anthropic.APIError) as exc:  # the other SDK streams raise it
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize(("where", "transient"), [("first", False), ("after-content", False), ("after-content", True)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_upstream_inband_error_reaches_the_sdk_and_is_not_resent(served: Served, name: str, where: str) -> None:
+def test_upstream_inband_error_reaches_the_sdk_and_is_not_resent(
+    served: Served, name: str, where: str, transient: bool
+) -> None:
+    # Not transient: "overloaded" is no API's name for a failure on its side. Transient after content: the
+    # client has part of an answer, a second one cannot follow.
     case = CASES[name]
     after = 0 if where == "first" else case.content_at + 1
-    served.upstream.fail(case.path, Fault(error_after=after, message="the model is overloaded", code="overloaded"))
-    received: list[Any] = []
-    error = ""
-    try:
-        for event in case.open(served):
-            received.append(event)
-            if getattr(event, "type", None) == "error":  # the Responses API's error is an event, not raised
-                error = event.message
-                break
-    except (openai.APIError, anthropic.APIError) as exc:  # the other SDK streams raise it
-        error = str(exc)
-    assert "the model is overloaded" in error, received
+    code = _transient_code(case.path) if transient else "overloaded"
+    served.upstream.fail(case.path, Fault(error_after=after, message="the model is overloaded", code=code))
+    assert "the model is overloaded" in _inband_error(case.open(served))
     once(served, case.path)
+    served.wait_idle()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_transient_first_inband_error_is_reissued_and_the_sdk_gets_the_whole_answer(
+    served: Served, name: str
+) -> None:
+    # Before: the SDK raised the upstream's overloaded_error / server_error (the upstream asked once), though
+    # the client had nothing and a second request answers. Now the gateway re-issues the request once.
+    case = CASES[name]
+    expected = [(type(event).__name__, getattr(event, "type", None)) for event in case.open(served)]  # a clean run
+    fault = Fault(error_after=0, message="the model is overloaded", code=_transient_code(case.path))
+    served.upstream.fail(case.path, fault)
+    assert [(type(event).__name__, getattr(event, "type", None)) for event in case.open(served)] == expected
+    assert served.upstream.seen(case.path).requests == 3  # the clean run, the failed attempt and its re-issue
+    assert served.stats()["starved"] == 0
+    served.wait_idle()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_transient_inband_error_every_time_reaches_the_sdk_after_one_reissue(served: Served, name: str) -> None:
+    case = CASES[name]
+    fault = Fault(error_after=0, message="the model is overloaded", code=_transient_code(case.path))
+    served.upstream.fail(case.path, fault, times=None)
+    assert "the model is overloaded" in _inband_error(case.open(served))
+    assert served.upstream.seen(case.path).requests == 2  # one re-issue, never a third request
+    assert served.upstream.total_requests() == 2
     served.wait_idle()
 
 
