@@ -117,6 +117,7 @@ class Forwarder:
         started = time.monotonic()
         session_id: str | None = None
         status, outcome, bytes_out, first_byte_at = 0, "error", 0, None
+        code: str | None = None
         exchange = _Exchange()
         claim: Claim | None = None
         try:
@@ -140,7 +141,7 @@ class Forwarder:
                 result.first_byte_at,
             )
         except LifetimeError as exc:
-            status = exc.status_code
+            status, code = exc.status_code, exc.code
             await send_error(scope, send, exc)
         finally:
             finished = Outcome(
@@ -156,6 +157,7 @@ class Forwarder:
                 ended=time.monotonic(),
                 outcome=outcome,
                 claim=claim,
+                code=code,
             )
             for bookkeeper in self.bookkeepers:
                 await record_outcome(bookkeeper, finished)
