@@ -30,7 +30,7 @@ from ._relay import ClientWatch, RelayResult, filter_headers, relay
 from ._shutdown import StopSignal
 from ._spill import spill
 from ._transport import close_response
-from ._upstream import UpstreamClient
+from ._upstream import _OWS, UpstreamClient
 
 __all__ = ["Forwarder"]
 
@@ -45,8 +45,8 @@ _NOT_FORWARDED = frozenset({b"host", b"content-length", b"content-encoding", b"t
 # whitespace than spaces and tabs between visible bytes. An ASGI server may pass the client more.
 _FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
 _FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
-# Spaces and tabs around a value are not part of it (RFC 9110 5.5); servers strip them, a scope may not.
-_OWS = b" \t"
+# Spaces and tabs around a value (_OWS) are not part of it (RFC 9110 5.5): servers strip them, a scope may
+# not; stripped here so that the check judges what goes out, and preparers read what a server would give.
 
 
 class _InputCharge:
