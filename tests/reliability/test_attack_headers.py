@@ -38,6 +38,7 @@ from .test_faults import eventually
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
 SECRET = b"sk-SECRETVALUE"
 PATHS = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages"}
+GEMINI = "/v1/models/gemini-2.0-flash:generateContent"
 
 # What the official SDKs send (openai-python, anthropic-sdk-python), and what a proxy or a browser adds.
 SDK = [
@@ -188,10 +189,13 @@ def assert_invalid_header(status: int, body: bytes, shape: str, caplog: pytest.L
     assert SECRET not in body  # a value is never quoted: it may be a credential
     document = httpx.Response(status, content=body).json()
     error = document["error"]
-    assert error["code"] == "invalid_header"
+    if shape == "gemini":
+        assert error["status"] == "INVALID_ARGUMENT" and error["details"][0]["reason"] == "invalid_header"
+    else:
+        assert error["code"] == "invalid_header"
     if shape == "anthropic":
         assert document["type"] == "error" and error["type"] == "invalid_request_error"
-    else:
+    elif shape == "openai":
         assert error["type"] == "invalid_request_error"
     [line] = access_lines(caplog)
     assert (line["status"], line["outcome"], line["code"], line["attempts"]) == (400, "error", "invalid_header", 0)
@@ -248,14 +252,15 @@ HOSTILE_SCOPE = [
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("shape", PATHS)
+@pytest.mark.parametrize("shape", [*PATHS, "gemini"])
 @pytest.mark.parametrize("field", HOSTILE_SCOPE, ids=repr)
 async def test_a_header_http11_cannot_carry_in_a_raw_scope_is_the_clients_400(
     shape: str, field: tuple[bytes, bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     async with in_process() as (upstream, app, client):
-        answer = await client.post(PATHS[shape], content=BODY, headers=[(b"content-type", b"application/json"), field])
+        path = GEMINI if shape == "gemini" else PATHS[shape]
+        answer = await client.post(path, content=BODY, headers=[(b"content-type", b"application/json"), field])
         await assert_idle(app)
     assert upstream.requests == []
     assert_invalid_header(answer.status_code, answer.content, shape, caplog)
