@@ -3,13 +3,15 @@
 ``AccessLog`` is a bookkeeper. Each ``record(outcome)`` logs one line at INFO on the
 ``asgi_lifetime.access`` logger, as logfmt ``key=value`` pairs::
 
-    path=/v1/chat/completions status=200 outcome=complete upstream=http://10.0.0.7:8000
+    path=/v1/chat/completions status=200 outcome=complete code=- upstream=http://10.0.0.7:8000
     attempts=1 bytes_out=5120 ttfb_ms=412.3 duration_ms=9031.8 size=48213
     text_comparable=true wire_hash=af13...c2 session=ab12cd34
 
-(one line; wrapped here). A request refused before it reached the forwarder (a wrong gateway
-key, a body refused, admission shed) gets a shorter line from ``refused(...)``, the error's code
-instead of the forwarding fields::
+(one line; wrapped here). ``code`` is the error's code when the gateway answered with an error of
+its own (``status=400 outcome=error code=invalid_header``, ``status=502 outcome=error
+code=request_unsendable``), ``-`` when it relayed the upstream's answer. A request refused
+before it reached the forwarder (a wrong gateway key, a body refused, admission shed) gets a
+shorter line from ``refused(...)``, the error's code instead of the forwarding fields::
 
     path=/v1/chat/completions status=401 outcome=refused code=invalid_api_key duration_ms=0.1
 
@@ -103,6 +105,7 @@ def access_fields(outcome: Outcome) -> dict[str, object]:
         "path": public_path(outcome.path),
         "status": outcome.status,
         "outcome": outcome.outcome,
+        "code": outcome.code,
         "upstream": None if outcome.upstream is None else public_url(outcome.upstream),
         "attempts": outcome.attempts,
         "bytes_out": outcome.bytes_out,

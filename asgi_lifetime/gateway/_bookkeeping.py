@@ -114,6 +114,9 @@ class Outcome:
     claim: Claim | None = None
     """A shared session book's decision at admission (see ``Claim``); ``None`` when none was made (no
     session id, the in-memory book, which decides at the record)."""
+    code: str | None = None
+    """The error's code when the gateway answered with an error of its own (``invalid_header``,
+    ``request_unsendable``, ``upstream_unreachable``...); ``None`` when it relayed the upstream's answer."""
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

@@ -30,7 +30,7 @@ from ._relay import ClientWatch, RelayResult, filter_headers, relay
 from ._shutdown import StopSignal
 from ._spill import spill
 from ._transport import close_response
-from ._upstream import UpstreamClient
+from ._upstream import _OWS, UpstreamClient
 
 __all__ = ["Forwarder"]
 
@@ -45,8 +45,8 @@ _NOT_FORWARDED = frozenset({b"host", b"content-length", b"content-encoding", b"t
 # whitespace than spaces and tabs between visible bytes. An ASGI server may pass the client more.
 _FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
 _FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
-# Spaces and tabs around a value are not part of it (RFC 9110 5.5); servers strip them, a scope may not.
-_OWS = b" \t"
+# Spaces and tabs around a value (_OWS) are not part of it (RFC 9110 5.5): servers strip them, a scope may
+# not; stripped here so that the check judges what goes out, and preparers read what a server would give.
 
 
 class _InputCharge:
@@ -117,6 +117,7 @@ class Forwarder:
         started = time.monotonic()
         session_id: str | None = None
         status, outcome, bytes_out, first_byte_at = 0, "error", 0, None
+        code: str | None = None
         exchange = _Exchange()
         claim: Claim | None = None
         try:
@@ -140,7 +141,7 @@ class Forwarder:
                 result.first_byte_at,
             )
         except LifetimeError as exc:
-            status = exc.status_code
+            status, code = exc.status_code, exc.code
             await send_error(scope, send, exc)
         finally:
             finished = Outcome(
@@ -156,6 +157,7 @@ class Forwarder:
                 ended=time.monotonic(),
                 outcome=outcome,
                 claim=claim,
+                code=code,
             )
             for bookkeeper in self.bookkeepers:
                 await record_outcome(bookkeeper, finished)

@@ -46,6 +46,8 @@ __all__ = ["AttemptEvent", "UpstreamClient"]
 
 logger = logging.getLogger(__name__)
 
+_OWS = b" \t"  # optional whitespace around a header value (RFC 9110 5.6.3)
+
 # Set from the URL and the body on every attempt; never taken from the client's request.
 # Accept-Encoding is always identity: every answer is relayed as the upstream's plain bytes, so
 # the stream guards read every event and the key scrubber sees every byte. (Those bytes cross
@@ -647,8 +649,10 @@ class UpstreamClient:
         ):
             headers.append(("Authorization", basic))
         # Values are the latin-1 text of the client's bytes (obs-text included): send those bytes.
-        # Given str, httpx encodes ASCII and fails on any byte over 0x7F.
-        encoded = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        # Given str, httpx encodes ASCII and fails on any byte over 0x7F. Spaces and tabs around a value
+        # are not part of it (RFC 9110 5.5): dropped from every field (a preparer's, a client= default),
+        # as h11 refuses them and aiohttp sends them, so that both transports send the same.
+        encoded = [(k.encode("latin-1"), v.encode("latin-1").strip(_OWS)) for k, v in headers]
         return httpx.Request(prepared.method, url, headers=encoded, stream=_BodyStream(prepared))
 
     def _url(self, text: str) -> httpx.URL:

@@ -19,6 +19,7 @@ FIELDS = [
     "path",
     "status",
     "outcome",
+    "code",
     "upstream",
     "attempts",
     "bytes_out",
@@ -89,6 +90,7 @@ def test_one_line_per_outcome_with_the_fields(access: AccessLog, caplog: pytest.
         "path": "/v1/chat/completions",
         "status": "200",
         "outcome": "complete",
+        "code": "-",
         "upstream": "http://10.0.0.7:8000",
         "attempts": "2",
         "bytes_out": "5120",
@@ -267,3 +269,50 @@ async def test_the_line_names_the_upstream_tried_last(
     assert fields["upstream"] == (tried[-1] if tried else None)
     assert parse_logfmt(record.getMessage())["upstream"] == (tried[-1] if tried else "-")
     assert "PASSWORDMARKER" not in record.getMessage()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("headers", "body", "answer", "status", "code"),
+    [
+        ([(b"x-trace", b"a\x0bb")], b'{"model": "m"}', "ok", 400, "invalid_header"),
+        ([(b"x(trace)", b"1")], b'{"model": "m"}', "ok", 400, "invalid_header"),
+        ([], b"{bad", "ok", 400, "invalid_json"),
+        ([], b'{"model": "m"}', "refused", 502, "upstream_unreachable"),
+        ([], b'{"model": "m"}', "unsendable", 502, "request_unsendable"),
+        ([], b'{"model": "m"}', "ok", 200, None),  # the upstream's answer, relayed: no code of ours
+        ([], b'{"model": "m"}', "busy", 503, None),  # the upstream's own 503 after the retries: relayed
+    ],
+)
+async def test_the_line_names_the_code_of_the_gateways_own_error(
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    answer: str,
+    status: int,
+    code: str | None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before: "status=400 outcome=error" alone: an operator could not tell an invalid header from invalid
+    # JSON, nor (both 502) a request our own client refused from an upstream that refused connections.
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        if answer == "refused":
+            raise httpx.ConnectError("connection refused", request=request)
+        if answer == "unsendable":
+            raise httpx.LocalProtocolError("Illegal header value")
+        return httpx.Response(503 if answer == "busy" else 200, json={})
+
+    settings = LifetimeSettings(upstream_url=("http://a.test",), max_attempts=2, backoff_base=0.001, backoff_max=0.002)
+    app = create_app(settings, transport=httpx.MockTransport(upstream))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client:
+        response = await client.post(
+            "/v1/chat/completions", content=body, headers=[(b"content-type", b"application/json"), *headers]
+        )
+    assert response.status_code == status
+    if code is not None:
+        assert response.json()["error"]["code"] == code
+    [record] = access_records(caplog)
+    assert record.__dict__["asgi_lifetime"]["code"] == code
+    line = parse_logfmt(record.getMessage())
+    assert list(line) == FIELDS and line["code"] == (code or "-") and line["status"] == str(status)

@@ -169,6 +169,6 @@ async def test_a_forwarded_request_is_logged_once_and_not_counted_as_refused(cap
             metrics = (await client.get("/metrics")).text
     assert ok.status_code == 200 and bad.status_code == 400
     first, second = sorted(_access(caplog), key=lambda line: int(line["status"]))  # logged as each response ends
-    assert (first["status"], first["outcome"]) == (200, "complete") and "code" not in first
-    assert (second["status"], second["outcome"]) == (400, "error")
+    assert (first["status"], first["outcome"], first["code"]) == (200, "complete", None)
+    assert (second["status"], second["outcome"], second["code"]) == (400, "error", "invalid_json")
     assert _refused(metrics) == {}
