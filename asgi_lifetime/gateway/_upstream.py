@@ -443,6 +443,10 @@ class UpstreamClient:
         retry = prepared.retry
         if not prepared.has_body or retry is None or not retry.in_time(0.0, self._clock()):
             return None
+        # Counted when made, as a retry is, whatever becomes of it (the access log counts it as an attempt),
+        # with the attempt and status of the answer it replaces (the relay re-issues only 2xx streams).
+        self._counters.retried += 1
+        self._emit(AttemptEvent("retry", retry.attempt, 200, "re-issued: the stream failed before any output"))
         prepared.retry = retry = retry.increment(failed=prepared.upstream)
         try:
             outcome = await self._send(prepared, self._choose(session_id, retry.failed))
@@ -454,10 +458,6 @@ class UpstreamClient:
         if outcome.status_code >= 400:
             await outcome.aclose()
             return None
-        self._counters.retried += 1
-        self._emit(
-            AttemptEvent("retry", retry.attempt, outcome.status_code, "re-issued: the stream failed before any output")
-        )
         return outcome
 
     async def forward(

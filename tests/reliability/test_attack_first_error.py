@@ -8,6 +8,7 @@ event or a hang, never lose the error, and leave nothing held once the response 
 
 from __future__ import annotations
 
+import gzip
 import logging
 import threading
 from typing import Any
@@ -24,7 +25,7 @@ from asgi_lifetime.gateway import create_app
 from asgi_lifetime.gateway._shutdown import StopSignal
 from asgi_lifetime.testing._serve import serve_in_thread
 
-from ..gateway._raw_upstream import HOLD, RawRequest, Script, raw_upstream
+from ..gateway._raw_upstream import CLOSE, HOLD, RawRequest, Script, raw_upstream
 from ..gateway.test_relay import Client, Reissuer, run
 from ..gateway.test_relay_first_error import (
     CHAT_ERROR_EVENT,
@@ -176,6 +177,8 @@ async def test_the_reissue_goes_to_another_upstream_than_the_one_that_failed(
 # -- what the client gets ------------------------------------------------------------------------------
 
 ERROR_WITH_FIELDS = b": keep\n\nid: 7\nretry: 1000\n" + CHAT_ERROR_EVENT
+# Over the 64 KiB the relay withholds: relayed as it came, not re-issued.
+HUGE_ERROR = b'data: {"error":{"type":"server_error","message":"' + b"x" * 100_000 + b'"}}\n\n'
 
 
 @pytest.mark.anyio
@@ -188,10 +191,11 @@ ERROR_WITH_FIELDS = b": keep\n\nid: 7\nretry: 1000\n" + CHAT_ERROR_EVENT
         ([MESSAGE_START + anthropic_error("overloaded_error")], 2, b"answer"),  # one read: neither was sent
         # an unterminated error then the end: no event at all, a starved stream (re-issued as such)
         ([CHAT_ERROR_EVENT[:-1]], 2, b"answer"),
-        # not re-issued: not transient
+        # not re-issued: too large to withhold, or not transient
+        ([HUGE_ERROR], 1, b"first"),
         ([b'data: {"error":{"type":"server_error","code":"context_length_exceeded"}}\n\n'], 1, b"first"),
     ],
-    ids=["done-after", "id-retry-comment", "message-start-same-read", "unterminated", "code"],
+    ids=["done-after", "id-retry-comment", "message-start-same-read", "unterminated", "huge", "code"],
 )
 async def test_end_to_end_shapes(first: list[bytes], requests: int, expected: bytes) -> None:
     def answer(request: RawRequest) -> Script:
@@ -210,6 +214,23 @@ async def test_end_to_end_shapes(first: list[bytes], requests: int, expected: by
         assert body == b"".join(first)
     else:
         assert body == expected.replace(b"answer", CHAT_STREAM)
+
+
+@pytest.mark.anyio
+async def test_a_gzip_stream_is_not_judged_so_its_error_is_relayed() -> None:
+    encoded = gzip.compress(CHAT_ERROR_EVENT)
+    head = SSE_HEAD.replace(b"\r\n\r\n", b"\r\ncontent-encoding: gzip\r\n\r\n")
+
+    def answer(request: RawRequest) -> Script:
+        return [head, chunk(encoded), END]
+
+    with raw_upstream(answer) as upstream:
+        app = create_app(LifetimeSettings(upstream_url=(upstream.url,), **FAST))
+        with serve_in_thread(app) as url:
+            response = await post(url)
+            await assert_idle(app, url)
+    assert len(upstream.requests) == 1
+    assert response.headers["content-encoding"] == "gzip" and response.content == CHAT_ERROR_EVENT
 
 
 @pytest.mark.anyio
@@ -335,3 +356,37 @@ def test_an_sdk_raises_the_same_error_through_the_gateway_as_from_the_upstream_a
     # with or without the gateway); the gateway asked twice, the SDK once.
     assert through == direct
     assert len(upstream.requests) == 3
+
+
+# -- bookkeeping -----------------------------------------------------------------------------------------
+
+
+SECONDS: dict[str, Script] = {
+    "answer": [SSE_HEAD, chunk(CHAT_STREAM), END],
+    "busy": [BUSY.replace(b"content-length: 2", b"x-should-retry: false\r\ncontent-length: 2")],
+    "hung-up": [CLOSE],
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("second", list(SECONDS))
+async def test_every_reissue_made_is_counted_as_an_attempt(second: str, caplog: pytest.LogCaptureFixture) -> None:
+    # The access log's attempts, the retried counter and attempts_total agree on a re-issue whatever became
+    # of it. Before: one that met a 503 or a hang-up was in the access log only.
+    caplog.set_level(logging.INFO, logger="asgi_lifetime.access")
+
+    def answer(request: RawRequest) -> Script:
+        return [SSE_HEAD, chunk(CHAT_ERROR_EVENT), END] if len(upstream.requests) == 1 else SECONDS[second]
+
+    with raw_upstream(answer) as upstream:
+        app = create_app(LifetimeSettings(upstream_url=(upstream.url,), **FAST))
+        with serve_in_thread(app) as url:
+            response = await post(url)
+            stats = await assert_idle(app, url)
+            async with httpx.AsyncClient(base_url=url) as client:
+                metrics = (await client.get("/metrics")).text
+    assert len(upstream.requests) == 2
+    assert response.content == (CHAT_STREAM if second == "answer" else CHAT_ERROR_EVENT)
+    assert access_line(caplog)["attempts"] == 2
+    assert stats["retried"] == 1
+    assert 'asgi_lifetime_attempts_total{kind="retry",reason="no_output"} 1.0' in metrics
