@@ -33,6 +33,7 @@ from .._parse import too_costly
 from .._resources import RequestResources
 from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
+from ._retry import Retry
 from ._spill import SLICE, SpilledBody  # at run time: typing.get_type_hints resolves Prepared.spill_to's hints
 
 __all__ = ["ConversationView", "Draft", "Prepared", "Preparer", "Spliced", "prepare", "without_parse"]
@@ -267,7 +268,9 @@ class Prepared:
     body may then move to disk (``spill_to``, ``RETAIN_OUTBOUND=disk``): ``body`` is None and
     ``spilled`` holds it; ``has_body`` and ``body_size`` answer for either place. ``attempts``
     counts the times it was sent upstream (retries and a re-issue included), and ``upstream`` is the
-    base URL of the last of them (None until one is made), for bookkeeping.
+    base URL of the last of them (None until one is made), for bookkeeping. ``retry`` is where the
+    retry policy stood after the last of them (numbers and URLs only): a re-issue is one more attempt
+    under it.
     """
 
     __slots__ = (
@@ -280,6 +283,7 @@ class Prepared:
         "remap_role",
         "attempts",
         "upstream",
+        "retry",
         "_settled",
         "__weakref__",
     )
@@ -303,6 +307,7 @@ class Prepared:
         self.remap_role = remap_role
         self.attempts = 0
         self.upstream: str | None = None
+        self.retry: Retry | None = None
         self._settled = False
 
     @property

@@ -432,16 +432,24 @@ class UpstreamClient:
         ]
 
     async def reissue(self, prepared: Prepared, *, session_id: str | None = None) -> httpx.Response | None:
-        """One blind re-issue of the retained outbound body (after a starved stream), from memory or
-        streamed back from its file on disk.
+        """One blind re-issue of the retained outbound body (after a starved stream, or one whose first
+        event is the upstream's transient error), from memory or streamed back from its file on disk.
 
-        Returns the new open response, or None if the body was released, could not be read back
-        from disk, or the attempt failed.
+        It is one more attempt of ``forward``'s: made only if ``MAX_ATTEMPTS`` and ``RETRY_DEADLINE``
+        leave one, and to another upstream than the one whose answer it replaces when there is one
+        (as a retried status is). Returns the new open response, or None if no attempt is left, the
+        body was released, could not be read back from disk, or the attempt failed.
         """
-        if not prepared.has_body:
+        retry = prepared.retry
+        if not prepared.has_body or retry is None or not retry.in_time(0.0, self._clock()):
             return None
+        # Counted when made, as a retry is, whatever becomes of it (the access log counts it as an attempt),
+        # with the attempt and status of the answer it replaces (the relay re-issues only 2xx streams).
+        self._counters.retried += 1
+        self._emit(AttemptEvent("retry", retry.attempt, 200, "re-issued: the stream failed before any output"))
+        prepared.retry = retry = retry.increment(failed=prepared.upstream)
         try:
-            outcome = await self._send(prepared, self._choose(session_id, frozenset()))
+            outcome = await self._send(prepared, self._choose(session_id, retry.failed))
         except OSError as exc:  # the body's file failed while being sent (httpx errors are _Failures)
             logger.warning("re-issue: the retained outbound body could not be read back from disk (%s)", exc)
             return None
@@ -450,8 +458,6 @@ class UpstreamClient:
         if outcome.status_code >= 400:
             await outcome.aclose()
             return None
-        self._counters.retried += 1
-        self._emit(AttemptEvent("retry", 1, outcome.status_code, "re-issued after the upstream produced no output"))
         return outcome
 
     async def forward(
@@ -497,6 +503,7 @@ class UpstreamClient:
                 continue
             answer = await self._answer(prepared, retry, outcome, base)
             if isinstance(answer, httpx.Response):
+                prepared.retry = retry  # where a re-issue starts from
                 return answer
             retry = answer
 
