@@ -7,6 +7,7 @@ that puts an observer in the scope under ``REFUSED`` (the gateway's ``Refusals``
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Final
@@ -19,6 +20,8 @@ from starlette.types import Receive, Scope, Send
 from ._exceptions import LifetimeError, MalformedBody, error_shape
 
 __all__ = [
+    "FIELD_NAME",
+    "OWS",
     "REFUSED",
     "Headers",
     "is_json",
@@ -40,6 +43,12 @@ own bookkeeping records what happens from then on (the gateway's ``Forwarder``: 
 
 Headers = Iterable[tuple[bytes, bytes]]
 """ASGI header lines: lowercase names, raw values, in the order received."""
+
+FIELD_NAME: Final = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+"""A header field name: an HTTP token (RFC 9110 5.1, 5.6.2); match it with ``fullmatch``."""
+
+OWS: Final = b" \t"
+"""Optional whitespace around a field value, not part of it (RFC 9110 5.5, 5.6.3): ``value.strip(OWS)``."""
 
 
 def list_field(headers: Headers, name: bytes) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from .._asgi import is_json, send_error, single_field, task_group, upstream_path
+from .._asgi import FIELD_NAME, OWS, is_json, send_error, single_field, task_group, upstream_path
 from .._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
 from .._middleware import Lifetime, RequestLifetime
 from .._resources import RequestResources, Resource
@@ -30,7 +30,7 @@ from ._relay import ClientWatch, RelayResult, filter_headers, relay
 from ._shutdown import StopSignal
 from ._spill import spill
 from ._transport import close_response
-from ._upstream import _OWS, UpstreamClient
+from ._upstream import UpstreamClient
 
 __all__ = ["Forwarder"]
 
@@ -41,12 +41,11 @@ logger = logging.getLogger(__name__)
 _NOT_FORWARDED = frozenset({b"host", b"content-length", b"content-encoding", b"transfer-encoding", b"expect"})
 
 # What an HTTP/1.1 request can carry, as h11 checks it before httpcore sends anything (the aiohttp
-# transport hands such fields to httpcore): a token for the name; a value without NUL, CR, LF or other
-# whitespace than spaces and tabs between visible bytes. An ASGI server may pass the client more.
-_FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+# transport hands such fields to httpcore): a token for the name (FIELD_NAME); a value without NUL, CR, LF
+# or other whitespace than spaces and tabs between visible bytes. An ASGI server may pass the client more.
+# Spaces and tabs around a value (OWS) are not part of it: servers strip them, a scope may not; stripped
+# here so that the check judges what goes out, and preparers read what a server would give.
 _FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
-# Spaces and tabs around a value (_OWS) are not part of it (RFC 9110 5.5): servers strip them, a scope may
-# not; stripped here so that the check judges what goes out, and preparers read what a server would give.
 
 
 class _InputCharge:
@@ -306,7 +305,7 @@ class Forwarder:
         # received body once a preparer changed it, each message once serialized) is freed.
         handover = [raw, parsed]
         del raw, parsed
-        forwarded = [(k, v.strip(_OWS)) for k, v in filter_headers(scope["headers"]) if k not in _NOT_FORWARDED]
+        forwarded = [(k, v.strip(OWS)) for k, v in filter_headers(scope["headers"]) if k not in _NOT_FORWARDED]
         for name, value in forwarded:
             _check_sendable(name, value)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwarded]  # names are lower-case
@@ -346,7 +345,7 @@ class Forwarder:
 def _check_sendable(name: bytes, value: bytes) -> None:
     """Refuse (400) a client's header field HTTP/1.1 cannot carry: the HTTP client would refuse the
     request on every attempt. The value is never quoted: it may be a credential."""
-    if _FIELD_NAME.fullmatch(name) is None:
+    if FIELD_NAME.fullmatch(name) is None:
         raise RequestError(
             "a request header name is not an HTTP token, so it cannot be forwarded", code="invalid_header"
         )

@@ -59,7 +59,7 @@ import anyio.lowlevel
 import httpx
 from starlette.types import Message, Receive, Send
 
-from .._asgi import task_group, wait_disconnect
+from .._asgi import FIELD_NAME, task_group, wait_disconnect
 from .._exceptions import (
     AdmissionRejected,
     ErrorShape,
@@ -149,12 +149,11 @@ def filter_headers(headers: Iterable[tuple[bytes, bytes]] | httpx.Headers) -> li
 # RFC 9110 5.1, 5.5: a field name is a token; a value has no control character but HTAB. aiohttp's parser
 # passes some that are not (a control character in a value), and the ASGI server refuses to send them
 # (uvicorn raises): the client got no answer at all, which its SDK retries (the upstream's work again).
-_FIELD_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _FIELD_VALUE_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _sendable(name: bytes, value: bytes) -> bool:
-    return _FIELD_NAME.fullmatch(name) is not None and _FIELD_VALUE_CTL.search(value) is None
+    return FIELD_NAME.fullmatch(name) is not None and _FIELD_VALUE_CTL.search(value) is None
 
 
 def _sendable_only(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

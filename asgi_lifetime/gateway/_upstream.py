@@ -29,6 +29,7 @@ from typing import Literal
 import anyio
 import httpx
 
+from .._asgi import OWS
 from .._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from .._middleware import Lifetime
 from .._settings import LifetimeSettings, base_url_problem, redact_url
@@ -45,8 +46,6 @@ from ._transport import UpstreamTransport
 __all__ = ["AttemptEvent", "UpstreamClient"]
 
 logger = logging.getLogger(__name__)
-
-_OWS = b" \t"  # optional whitespace around a header value (RFC 9110 5.6.3)
 
 # Set from the URL and the body on every attempt; never taken from the client's request.
 # Accept-Encoding is always identity: every answer is relayed as the upstream's plain bytes, so
@@ -659,7 +658,7 @@ class UpstreamClient:
         # Given str, httpx encodes ASCII and fails on any byte over 0x7F. Spaces and tabs around a value
         # are not part of it (RFC 9110 5.5): dropped from every field (a preparer's, a client= default),
         # as h11 refuses them and aiohttp sends them, so that both transports send the same.
-        encoded = [(k.encode("latin-1"), v.encode("latin-1").strip(_OWS)) for k, v in headers]
+        encoded = [(k.encode("latin-1"), v.encode("latin-1").strip(OWS)) for k, v in headers]
         return httpx.Request(prepared.method, url, headers=encoded, stream=_BodyStream(prepared))
 
     def _url(self, text: str) -> httpx.URL:
