@@ -75,8 +75,7 @@ def create_app(
     the in-memory ``SessionBook``; the access log and metrics get them too). ``client`` /
     ``transport``: your own httpx client or transport for the upstream. ``listener`` sees every
     retry, refold, role remap and settle event. ``refold_factory`` builds the context-overflow
-    refold from a request's conversation (default: drop the oldest turns); the refold it returns
-    runs in a worker thread for a body from 256 KiB on. ``on_change(session_id,
+    refold from a request's conversation (default: drop the oldest turns). ``on_change(session_id,
     fingerprint)`` runs when a session's wire hash changes (once in the fleet with
     ``SESSION_STORE=redis://...``; see docs/deploy.md).
     """

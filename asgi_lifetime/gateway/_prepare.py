@@ -29,7 +29,7 @@ from typing import Any, Final, TypeVar
 from .. import _json
 from .._fingerprint import Fingerprint
 from .._lazy import DeferredParse
-from .._parse import offload, too_costly
+from .._parse import too_costly
 from .._resources import RequestResources
 from ._memory import TRIM_THRESHOLD, trim_after_large_request
 from ._refold import Conversation, Refold, RemapRole, default_refold, default_remap_role
@@ -428,9 +428,8 @@ async def prepare(
     if conversation is not None and (refold_factory is not default_refold or remap_factory is not default_remap_role):
         # A custom factory gets the parse (and keeps it until retries settle): serialize it intact.
         if changed:
-            size = len(raw)
             del raw
-            body = await offload(size, functools.partial(_json.dumps, graph))
+            body = _json.dumps(graph)
         else:
             body = raw
         return Prepared(
@@ -448,22 +447,16 @@ async def prepare(
         # coexist (the gateway hands over its only reference to it).
         size = len(raw)
         del raw
-        serialize: Callable[[], bytes]
         if key is None:
-            serialize = functools.partial(_json.dumps, graph)
+            body = _json.dumps(graph)
         else:
             # The conversation is dropped item by item as it is written: the parse shrinks as the body grows.
-            serialize = functools.partial(
-                _json.dumps_consuming,
+            body = _json.dumps_consuming(
                 graph,
                 key,
                 every=_TRIM_EVERY if malloc_trim and size >= TRIM_THRESHOLD else 0,
                 progress=functools.partial(trim_after_large_request, TRIM_THRESHOLD, enabled=malloc_trim),
             )
-        # A large body is serialized in a worker thread, as it was parsed: on the event loop it would
-        # stop every other request's stream (and stall deadline) meanwhile.
-        body = await offload(size, serialize)
-        del serialize
     else:
         body = raw
     del graph  # nothing below needs the parse: the closures re-parse the outbound body

@@ -32,7 +32,6 @@ import httpx
 from .._asgi import OWS
 from .._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from .._middleware import Lifetime
-from .._parse import offload
 from .._settings import LifetimeSettings, base_url_problem, redact_url
 from .._stats import Counters
 from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber
@@ -287,13 +286,6 @@ class _Run:
 
 def _join(base: str, path: str) -> str:
     return base[:-1] + path if base.endswith("/") and path.startswith("/") else base + path
-
-
-async def _off_loop(prepared: Prepared, reshape: Callable[[], bytes | None]) -> bytes | None:
-    """``reshape()``, a refold or role rename: it parses and serializes the whole outbound body, so a
-    large one goes to a worker thread (as the first parse did) and the other requests' streams, and
-    their stall deadlines, go on meanwhile."""
-    return await offload(prepared.body_size, reshape)
 
 
 def _framed(response: httpx.Response, scrubber: KeyScrubber) -> None:
@@ -565,23 +557,22 @@ class UpstreamClient:
         error_body = await self._read_error(response)
         captured = error_body.data if error_body.decoded else b""
         if retry.reshapes_in_time(self._clock()):
-            reshaped = await self._reshape(prepared, retry, status, captured)
+            reshaped = self._reshape(prepared, retry, status, captured)
             if reshaped is not None:
                 return reshaped
         return replay(response, error_body, self._scrubber, limit=self._settings.error_body_limit)
 
-    async def _reshape(self, prepared: Prepared, retry: Retry, status: int, captured: bytes) -> Retry | None:
+    def _reshape(self, prepared: Prepared, retry: Retry, status: int, captured: bytes) -> Retry | None:
         """The next attempt's state if the error asks for a refold or a role rename and the body changed."""
         overflow = match_overflow(status, captured) if prepared.refold else None
         if overflow is not None:
-            refolded = await self._refold(prepared, overflow.window, retry.attempt, status)
+            refolded = self._refold(prepared, overflow.window, retry.attempt, status)
             return retry.increment() if refolded else None
         rejected = match_rejected_role(status, captured) if prepared.remap_role is not None else None
         target = retry.role_target(rejected) if rejected is not None else None
         if rejected is None or target is None:
             return None
-        remapped = await self._remap(prepared, rejected, target, retry.attempt)
-        return retry.increment(role=target) if remapped else None
+        return retry.increment(role=target) if self._remap(prepared, rejected, target, retry.attempt) else None
 
     async def _send(self, prepared: Prepared, base: str) -> httpx.Response | _Failure:
         """One attempt up to the response headers."""
@@ -691,9 +682,8 @@ class UpstreamClient:
         settings = self._settings
         return await read_error_body(response, limit=settings.error_body_limit, stall_timeout=settings.stall_timeout)
 
-    async def _refold(self, prepared: Prepared, window: int | None, attempt: int, status: int) -> bool:
-        refold = prepared.refold
-        body = None if refold is None else await _off_loop(prepared, lambda: refold(window))
+    def _refold(self, prepared: Prepared, window: int | None, attempt: int, status: int) -> bool:
+        body = prepared.refold(window) if prepared.refold is not None else None
         if body is None or body == prepared.body:
             return False
         prepared.body = body
@@ -701,9 +691,8 @@ class UpstreamClient:
         self._emit(AttemptEvent("refold", attempt, status, f"context overflow, window {window}"))
         return True
 
-    async def _remap(self, prepared: Prepared, rejected: str, target: str, attempt: int) -> bool:
-        remap = prepared.remap_role
-        body = None if remap is None else await _off_loop(prepared, lambda: remap(rejected, target))
+    def _remap(self, prepared: Prepared, rejected: str, target: str, attempt: int) -> bool:
+        body = prepared.remap_role(rejected, target) if prepared.remap_role is not None else None
         if body is None or body == prepared.body:
             return False
         prepared.body = body

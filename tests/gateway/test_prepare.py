@@ -1,17 +1,14 @@
 from __future__ import annotations
 
 import json
-import threading
 import weakref
 from typing import Any
 
 import anyio
-import anyio.from_thread
 import pytest
 
 from asgi_lifetime import _json
 from asgi_lifetime._fingerprint import fingerprint
-from asgi_lifetime._parse import THREAD_THRESHOLD
 from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway._prepare import Draft, Prepared, Preparer, prepare
@@ -411,59 +408,3 @@ async def test_a_custom_refold_factory_gets_the_deferred_parse(monkeypatch: pyte
     )
     assert parses == [LARGE] and prepared.body is LARGE
     assert seen and seen[0].key == "messages" and len(seen[0].items) == 40
-
-
-def _large(turns: int = 700) -> bytes:
-    messages = [{"role": "user", "content": f"turn {n} " + "lorem ipsum " * 30} for n in range(turns)]
-    raw = _json.dumps({"model": "m", "messages": messages})
-    assert len(raw) >= THREAD_THRESHOLD
-    return raw
-
-
-def _change(draft: Draft) -> None:
-    draft.body["model"] = "m2"
-    draft.mark_changed()
-
-
-@pytest.mark.parametrize(
-    ("name", "raw", "options"),
-    [
-        pytest.param("dumps_consuming", _large(), {}, id="conversation"),
-        pytest.param("dumps", _json.dumps({"model": "m", "prompt": "p " * 150_000}), {}, id="no-conversation"),
-        pytest.param("dumps", _large(), {"refold_factory": lambda conversation: lambda window: None}, id="custom"),
-    ],
-)
-async def test_a_large_changed_body_is_serialized_off_the_event_loop(
-    monkeypatch: pytest.MonkeyPatch, name: str, raw: bytes, options: dict[str, Any]
-) -> None:
-    # Serializing a changed body is as much work as parsing it, which runs in a worker thread from
-    # THREAD_THRESHOLD on: on the event loop it would stop every other request's stream meanwhile.
-    assert len(raw) >= THREAD_THRESHOLD
-    serialize = getattr(_json, name)
-    loop_ran = anyio.Event()
-
-    def waiting_for_the_loop(*args: Any, **kwargs: Any) -> bytes:
-        # Returns once the event loop ran ``set``: only from a worker thread while the loop is free
-        # (on the loop's own thread it raises).
-        anyio.from_thread.run_sync(loop_ran.set)
-        return serialize(*args, **kwargs)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(_json, name, waiting_for_the_loop)
-    prepared = await run([_change], raw, **options)
-    assert loop_ran.is_set()
-    assert isinstance(prepared.body, bytes) and _json.loads(prepared.body)["model"] == "m2"
-
-
-async def test_a_small_changed_body_is_serialized_on_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Below THREAD_THRESHOLD a worker thread costs more than the work.
-    serialize = _json.dumps_consuming
-    seen: list[int] = []
-
-    def recorded(*args: Any, **kwargs: Any) -> bytes:
-        seen.append(threading.get_ident())
-        return serialize(*args, **kwargs)
-
-    monkeypatch.setattr(_json, "dumps_consuming", recorded)
-    prepared = await run([_change])
-    assert seen == [threading.get_ident()]
-    assert prepared.body == _json.dumps({"model": "m2", "messages": [{"role": "user", "content": "hi"}]})

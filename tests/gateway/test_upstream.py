@@ -4,7 +4,6 @@ import email.utils
 import gc
 import json
 import random
-import threading
 import time
 import types
 import weakref
@@ -13,7 +12,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import anyio.from_thread
 import httpx
 import pytest
 import respx
@@ -21,7 +19,6 @@ import respx
 from asgi_lifetime import Lifetime, _json
 from asgi_lifetime._exceptions import UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from asgi_lifetime._fingerprint import fingerprint
-from asgi_lifetime._parse import THREAD_THRESHOLD
 from asgi_lifetime._resources import RequestResources
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime._stats import Counters
@@ -606,61 +603,6 @@ async def test_a_400_without_refold_or_remap_is_returned_unread() -> None:
         assert stream.pulled == 0
         assert await response.aread() == b'{"error": "bad"}'
         await response.aclose()
-
-
-async def _reshaped_off_loop(turns: int, reject: dict[str, Any], *, rename: bool) -> tuple[bool, bool]:
-    """Forward a conversation the upstream rejects once with ``reject``: (whether the refold or rename
-    ran in a thread other than the event loop's, whether the loop ran a call from it meanwhile)."""
-    prepared = await chat(conversation(turns, system_role="developer" if rename else "system"))
-    attribute = "remap_role" if rename else "refold"
-    reshape = getattr(prepared, attribute)
-    loop_ran = anyio.Event()
-    seen: list[int] = []
-
-    def waiting_for_the_loop(*args: Any) -> bytes | None:
-        seen.append(threading.get_ident())
-        # Returns once the event loop ran ``set``: only while the loop is free, and only from a
-        # worker thread (on the loop's own thread it raises).
-        anyio.from_thread.run_sync(loop_ran.set)
-        return reshape(*args)  # type: ignore[no-any-return]
-
-    setattr(prepared, attribute, waiting_for_the_loop)
-    with respx.mock(base_url=BASE, assert_all_called=True) as router:
-        router.post(PATH).mock(side_effect=[httpx.Response(400, json=reject), httpx.Response(200, json=OK)])
-        async with make_upstream(Recorder()) as upstream:
-            response = await upstream.forward(prepared, on_retries_settled=lambda: None)
-            await response.aclose()
-    assert len(seen) == 1 and response.status_code == 200
-    return seen[0] != threading.get_ident(), loop_ran.is_set()
-
-
-@pytest.mark.parametrize("rename", [False, True], ids=["refold", "role-rename"])
-async def test_a_large_body_is_reshaped_off_the_event_loop(rename: bool) -> None:
-    # A refold or role rename parses and serializes the whole body: on the loop's thread, a large one
-    # would stop every other request's stream (and its stall deadline) meanwhile.
-    reject = DEVELOPER_REJECTED if rename else OVERFLOW
-    assert len(_json.dumps(conversation(240))) >= THREAD_THRESHOLD
-    assert await _reshaped_off_loop(240, reject, rename=rename) == (True, True)
-
-
-async def test_a_small_body_is_reshaped_on_the_event_loop() -> None:
-    # Below THREAD_THRESHOLD a worker thread costs more than the work (as for the first parse).
-    assert len(_json.dumps(conversation(4))) < THREAD_THRESHOLD
-    prepared = await chat(conversation(4))
-    refold = prepared.refold
-    assert refold is not None
-    seen: list[int] = []
-
-    def recorded(window: int | None) -> bytes | None:
-        seen.append(threading.get_ident())
-        return refold(window)
-
-    prepared.refold = recorded
-    with respx.mock(base_url=BASE, assert_all_called=True) as router:
-        router.post(PATH).mock(side_effect=[httpx.Response(400, json=OVERFLOW), httpx.Response(200, json=OK)])
-        async with make_upstream(Recorder()) as upstream:
-            await (await upstream.forward(prepared, on_retries_settled=lambda: None)).aclose()
-    assert seen == [threading.get_ident()]
 
 
 # --- settlement on every path ------------------------------------------------------------------
