@@ -1,5 +1,6 @@
-"""ASGI chores, each done once: header field lookup, JSON or not, the mounted path, waiting for a
-disconnect, work with a task beside it, sending an error. The middleware and the gateway both use them.
+"""ASGI chores, each done once: header names as ASGI promises them, header field lookup, JSON or not, the
+mounted path, waiting for a disconnect, work with a task beside it, sending an error. The middleware and
+the gateway both use them.
 
 ``send_error`` is the one way a request is refused (401, 400, 408, 413, 415, 503): an outer layer
 that puts an observer in the scope under ``REFUSED`` (the gateway's ``Refusals``) hears of each.
@@ -26,6 +27,7 @@ __all__ = [
     "Headers",
     "is_json",
     "list_field",
+    "normalize_headers",
     "route_path",
     "send_error",
     "single_field",
@@ -42,13 +44,43 @@ own bookkeeping records what happens from then on (the gateway's ``Forwarder``: 
 """
 
 Headers = Iterable[tuple[bytes, bytes]]
-"""ASGI header lines: lowercase names, raw values, in the order received."""
+"""ASGI header lines: lowercase names (``normalize_headers`` sees to it), raw values, in the order received."""
 
 FIELD_NAME: Final = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """A header field name: an HTTP token (RFC 9110 5.1, 5.6.2); match it with ``fullmatch``."""
 
 OWS: Final = b" \t"
 """Optional whitespace around a field value, not part of it (RFC 9110 5.5, 5.6.3): ``value.strip(OWS)``."""
+
+
+def normalize_headers(scope: Scope) -> None:
+    """Make ``scope["headers"]`` what every reader of it assumes: lower-case names (the ASGI spec says
+    servers lowercase them, but a raw scope or another server may not), and one ``cookie`` line.
+
+    Called where a layer first reads the headers, so that no comparison downstream needs its own
+    ``.lower()``: ``Authorization`` is then the credential that is replaced, ``Content-Encoding`` the
+    coding that is decoded. Over HTTP/2 each cookie may be a field of its own; they are joined with
+    ``"; "`` (RFC 9113 8.2.3) as HTTP/1.1, and an upstream, expect one field. Any other repeated field
+    stays as it is. Replaced in place, so that layers outside see the same; when nothing needs it (the
+    usual case: one scan, nothing allocated), the scope is left alone.
+    """
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    cookies = 0
+    for name, _ in headers:
+        if name == b"cookie":
+            cookies += 1
+        elif not name.islower():  # also a name with no letter at all: rebuilt the same, harmlessly
+            break
+    else:
+        if cookies < 2:
+            return
+    normal = [(name.lower(), value) for name, value in headers]
+    cookie = [value.strip(OWS) for name, value in normal if name == b"cookie"]
+    if len(cookie) > 1:
+        at = next(index for index, (name, _) in enumerate(normal) if name == b"cookie")
+        normal = [pair for pair in normal if pair[0] != b"cookie"]
+        normal.insert(at, (b"cookie", b"; ".join(value for value in cookie if value)))
+    scope["headers"] = normal
 
 
 def list_field(headers: Headers, name: bytes) -> str | None:

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _json
 from ._admission import Admission, Ticket
-from ._asgi import REFUSED, is_json, list_field, route_path, send_error, task_group
+from ._asgi import REFUSED, is_json, list_field, normalize_headers, route_path, send_error, task_group
 from ._body import parse_content_length, read_body
 from ._exceptions import (
     BodyAborted,
@@ -236,6 +236,7 @@ class LifetimeMiddleware:
         if not lifetime.handles(scope):
             await self.app(scope, receive, send)
             return
+        normalize_headers(scope)  # every name compared below, and by the app, is lower-case
         counters = lifetime.counters
         async with RequestResources(counters) as resources:
             try:

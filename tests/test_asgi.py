@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from asgi_lifetime._asgi import task_group
+from asgi_lifetime._asgi import normalize_headers, task_group
 from asgi_lifetime._exceptions import BodyTooComplex
 
 pytestmark = pytest.mark.anyio
@@ -76,3 +76,45 @@ async def test_cancelling_from_outside_cancels_block_and_tasks() -> None:
                 ended.append("block")
     assert outer.cancelled_caught
     assert sorted(ended) == ["block", "task"]
+
+
+async def test_headers_as_asgi_promises_them_are_left_alone() -> None:
+    headers = [(b"content-type", b"application/json"), (b"cookie", b"a=1"), (b"x-1", b"Value"), (b"x-r", b"1")]
+    scope = {"headers": [*headers, (b"x-r", b"2")]}
+    kept = scope["headers"]
+    normalize_headers(scope)
+    assert scope["headers"] is kept  # nothing allocated on the usual path
+
+
+@pytest.mark.parametrize(
+    ("given", "normal"),
+    [
+        (
+            [(b"Authorization", b"Bearer K"), (b"X-Api-Key", b"K")],
+            [(b"authorization", b"Bearer K"), (b"x-api-key", b"K")],
+        ),
+        ([(b"CONTENT-ENCODING", b"GZIP")], [(b"content-encoding", b"GZIP")]),  # values as given
+        ([(b"123", b"1")], [(b"123", b"1")]),  # no letter: rebuilt the same
+        # Several cookie fields (RFC 9113 8.2.3): one, where the first was, padding dropped; others as they came.
+        (
+            [
+                (b"cookie", b"a=1"),
+                (b"x-r", b"1"),
+                (b"Cookie", b" b=2\t"),
+                (b"x-r", b"2"),
+                (b"cookie", b""),
+                (b"cookie", b"c=3"),
+            ],
+            [(b"cookie", b"a=1; b=2; c=3"), (b"x-r", b"1"), (b"x-r", b"2")],
+        ),
+        ([(b"Cookie", b" a=1 ")], [(b"cookie", b" a=1 ")]),  # one field: as a lower-case one would be
+    ],
+)
+async def test_header_names_are_lowercased_and_cookie_fields_joined(
+    given: list[tuple[bytes, bytes]], normal: list[tuple[bytes, bytes]]
+) -> None:
+    scope = {"headers": given}
+    normalize_headers(scope)
+    assert scope["headers"] == normal
+    normalize_headers(scope)
+    assert scope["headers"] == normal  # once is enough

@@ -157,6 +157,28 @@ async def test_gzip_body_is_decoded_for_the_inner_app() -> None:
 
 
 @pytest.mark.anyio
+async def test_capitalised_header_names_from_a_server_are_the_same_fields() -> None:
+    # ASGI servers lowercase names; one that does not (or a raw scope) sent "Content-Encoding" past the
+    # decoder: the app got the gzip bytes, and a "Content-Type: text/plain" was taken for JSON.
+    app = starlette_app()
+    packed = gzip.compress(CHAT_BYTES)
+    headers = [(b"Content-Encoding", b"gzip"), (b"Content-Length", str(len(packed)).encode())]
+    out = Recorder()
+    await app(http_scope("/v1/echo", headers), body_receive(packed), out)
+    data = json.loads(out.body)
+    assert (data["size"], data["content_length"], data["content_encoding"]) == (
+        len(CHAT_BYTES),
+        str(len(CHAT_BYTES)),
+        None,
+    )
+    assert data["wire_hash"] == fingerprint(CHAT_BYTES).wire_hash
+    plain = [(b"Content-Type", b"text/plain"), (b"Content-Length", b"5")]
+    out = Recorder()
+    await app(http_scope("/v1/echo", plain), body_receive(b"{bad}"), out)
+    assert out.status == 200 and json.loads(out.body)["text_comparable"] is False
+
+
+@pytest.mark.anyio
 async def test_gzip_bomb_is_413() -> None:
     # Driven at the ASGI level: httpx's ASGITransport leaves its request-body generator
     # unfinalized under trio when the app answers before reading everything.

@@ -40,6 +40,7 @@ from ._access_log import AccessLog
 from ._auth import GatewayAuth, open_beyond_loopback
 from ._bookkeeping import Bookkeeper
 from ._forward import Forwarder
+from ._head import RequestHead
 from ._metrics import MULTIPROC_DIR_ENV, GatewayMetrics, make_metrics_route
 from ._prepare import Preparer, is_without_parse
 from ._refold import Conversation, Refold, default_refold
@@ -181,6 +182,8 @@ def create_app(
                 upstream_api_key=settings.upstream_api_key,
                 upstream_auth=settings.upstream_auth,
             ),
+            # Then: a head that cannot be forwarded is refused before admission or body reading.
+            Middleware(RequestHead, lifetime=lifetime),
             Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=_handoff(preparers, refold_factory)),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},

@@ -29,7 +29,7 @@ from urllib.parse import quote, unquote_to_bytes
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._asgi import route_path, send_error
+from .._asgi import normalize_headers, route_path, send_error
 from .._exceptions import AuthenticationError
 
 __all__ = [
@@ -87,6 +87,7 @@ class GatewayAuth:
         if scope["type"] != "http" or self._inject is None or route_path(scope) in self._open_paths:
             await self.app(scope, receive, send)
             return
+        normalize_headers(scope)  # a server's "Authorization" is the credential "authorization" too
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if self._keys:
             allowed = self._accepts(_presented(headers))

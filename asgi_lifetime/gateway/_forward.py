@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from .._asgi import FIELD_NAME, OWS, is_json, send_error, single_field, task_group, upstream_path
+from .._asgi import OWS, is_json, send_error, single_field, task_group, upstream_path
 from .._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
 from .._middleware import Lifetime, RequestLifetime
 from .._resources import RequestResources, Resource
@@ -39,13 +38,6 @@ logger = logging.getLogger(__name__)
 # Request headers the gateway never forwards as received: the body is re-framed (and was
 # decoded by the middleware), and the upstream's Host is its own.
 _NOT_FORWARDED = frozenset({b"host", b"content-length", b"content-encoding", b"transfer-encoding", b"expect"})
-
-# What an HTTP/1.1 request can carry, as h11 checks it before httpcore sends anything (the aiohttp
-# transport hands such fields to httpcore): a token for the name (FIELD_NAME); a value without NUL, CR, LF
-# or other whitespace than spaces and tabs between visible bytes. An ASGI server may pass the client more.
-# Spaces and tabs around a value (OWS) are not part of it: servers strip them, a scope may not; stripped
-# here so that the check judges what goes out, and preparers read what a server would give.
-_FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
 
 
 class _InputCharge:
@@ -287,9 +279,8 @@ class Forwarder:
         self, scope: Scope, receive: Receive, state: RequestLifetime, session_id: str | None
     ) -> tuple[Prepared, _InputCharge]:
         # This frame returns before forwarding starts, so its locals never outlive preparation.
-        if {".", ".."} & set(scope["path"].split("/")):
-            # httpx would resolve them and the request would leave the forwarded prefix.
-            raise MalformedBody("the request path has '.' or '..' segments", code="invalid_path")
+        # (A head that cannot be forwarded, a '.' segment or a header HTTP/1.1 cannot carry, was refused
+        # by ``RequestHead`` before the body was read.)
         message = await receive()  # the middleware's replay: the whole body, once
         raw: bytes = message.get("body", b"")
         del message
@@ -305,10 +296,13 @@ class Forwarder:
         # received body once a preparer changed it, each message once serialized) is freed.
         handover = [raw, parsed]
         del raw, parsed
-        forwarded = [(k, v.strip(OWS)) for k, v in filter_headers(scope["headers"]) if k not in _NOT_FORWARDED]
-        for name, value in forwarded:
-            _check_sendable(name, value)
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwarded]  # names are lower-case
+        # Spaces and tabs around a value (OWS) are not part of it: servers strip them, a scope may not;
+        # stripped here so that preparers read what a server would give, and the upstream gets it.
+        headers = [
+            (k.decode("latin-1"), v.strip(OWS).decode("latin-1"))
+            for k, v in filter_headers(scope["headers"])
+            if k not in _NOT_FORWARDED
+        ]  # names are lower-case
         prepared = await prepare(
             handover.pop(0),
             handover.pop(0),
@@ -340,18 +334,3 @@ class Forwarder:
 
     def _conflicting_ids(self) -> RequestError:
         return RequestError(f"conflicting {self.settings.session_header} headers", code="conflicting_session_id")
-
-
-def _check_sendable(name: bytes, value: bytes) -> None:
-    """Refuse (400) a client's header field HTTP/1.1 cannot carry: the HTTP client would refuse the
-    request on every attempt. The value is never quoted: it may be a credential."""
-    if FIELD_NAME.fullmatch(name) is None:
-        raise RequestError(
-            "a request header name is not an HTTP token, so it cannot be forwarded", code="invalid_header"
-        )
-    if _FIELD_VALUE.fullmatch(value) is None:
-        raise RequestError(
-            f"the request header {name.decode('latin-1')!r} has a value HTTP/1.1 cannot carry (a NUL, a line break,"
-            " or another control whitespace), so it cannot be forwarded",
-            code="invalid_header",
-        )

@@ -181,6 +181,9 @@ REFUSAL_REASONS: Final = frozenset(
         "conflicting_content_type",
         "unexpected_message",
         "unsupported_http_version",
+        # 400 (RequestHead: a head that cannot be forwarded)
+        "invalid_path",
+        "invalid_header",
         # 408, 413, 415
         "request_timeout",
         "request_body_timeout",

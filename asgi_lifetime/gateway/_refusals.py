@@ -1,8 +1,9 @@
 """Refused requests, seen: one access-log line and one ``refused_total`` count each.
 
-A request refused before it reaches the forwarder (a wrong or missing gateway key, a body refused
-as too large, badly framed or encoded, too slow, admission shedding) is answered by
-``send_error`` in ``GatewayAuth`` or ``LifetimeMiddleware``, and never becomes an ``Outcome``.
+A request refused before it reaches the forwarder (a wrong or missing gateway key, a head that cannot
+be forwarded, a body refused as too large, badly framed or encoded, too slow, admission shedding) is
+answered by ``send_error`` in ``GatewayAuth``, ``RequestHead`` or ``LifetimeMiddleware``, and never
+becomes an ``Outcome``.
 ``Refusals``, outermost, puts an observer in the scope (``_asgi.REFUSED``) that ``send_error``
 calls after answering: one hook for every refusal, whoever refuses. A request that reaches the
 forwarder is recorded by its ``Outcome`` instead (``LifetimeMiddleware`` takes the observer out
@@ -37,7 +38,7 @@ class Refusals:
     """Pure ASGI, outermost: every request refused inside it is logged and counted once.
 
     ```python
-    app = Refusals(GatewayAuth(LifetimeMiddleware(app, ...), ...), access_log=AccessLog(), metrics=metrics)
+    app = Refusals(GatewayAuth(RequestHead(LifetimeMiddleware(app, ...), ...), ...), access_log=..., metrics=...)
     ```
     """
 

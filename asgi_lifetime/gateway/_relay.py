@@ -135,10 +135,14 @@ class RelayResult:
 def filter_headers(headers: Iterable[tuple[bytes, bytes]] | httpx.Headers) -> list[tuple[bytes, bytes]]:
     """Drop hop-by-hop headers (``HOP_BY_HOP`` and any named in ``Connection``); names come back lower-case.
 
-    Works in both directions: ASGI ``scope["headers"]`` or an ``httpx.Headers``.
+    Works in both directions: ASGI ``scope["headers"]`` (names lower-cased where the gateway first read
+    them, ``_asgi.normalize_headers``: not again here, on every request) or an ``httpx.Headers`` (names
+    as the upstream sent them).
     """
-    raw = headers.raw if isinstance(headers, httpx.Headers) else headers
-    pairs = [(bytes(name).lower(), bytes(value)) for name, value in raw]
+    if isinstance(headers, httpx.Headers):
+        pairs = [(name.lower(), value) for name, value in headers.raw]
+    else:
+        pairs = list(headers)
     drop = set(_HOP_BY_HOP_RAW)
     for name, value in pairs:
         if name == b"connection":

@@ -275,8 +275,6 @@ async def test_the_line_names_the_upstream_tried_last(
 @pytest.mark.parametrize(
     ("headers", "body", "answer", "status", "code"),
     [
-        ([(b"x-trace", b"a\x0bb")], b'{"model": "m"}', "ok", 400, "invalid_header"),
-        ([(b"x(trace)", b"1")], b'{"model": "m"}', "ok", 400, "invalid_header"),
         ([], b"{bad", "ok", 400, "invalid_json"),
         ([], b'{"model": "m"}', "refused", 502, "upstream_unreachable"),
         ([], b'{"model": "m"}', "unsendable", 502, "request_unsendable"),
@@ -316,3 +314,22 @@ async def test_the_line_names_the_code_of_the_gateways_own_error(
     assert record.__dict__["asgi_lifetime"]["code"] == code
     line = parse_logfmt(record.getMessage())
     assert list(line) == FIELDS and line["code"] == (code or "-") and line["status"] == str(status)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("header", [(b"x-trace", b"a\x0bb"), (b"x(trace)", b"1")])
+async def test_a_head_that_cannot_be_forwarded_gets_the_refused_line_with_its_code(
+    header: tuple[bytes, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Refused before the body is read (RequestHead), as a 401 is: the short line, its code named.
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    settings = LifetimeSettings(upstream_url=("http://a.test",))
+    app = create_app(settings, transport=httpx.MockTransport(lambda request: httpx.Response(200, json={})))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client:
+        response = await client.post("/v1/chat/completions", content=b'{"model": "m"}', headers=[header])
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_header"
+    [record] = access_records(caplog)
+    assert record.__dict__["asgi_lifetime"]["code"] == "invalid_header"
+    line = parse_logfmt(record.getMessage())
+    assert list(line) == ["path", "status", "outcome", "code", "duration_ms"]
+    assert (line["status"], line["outcome"], line["code"]) == ("400", "refused", "invalid_header")

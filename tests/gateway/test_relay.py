@@ -10,6 +10,7 @@ import httpx
 import pytest
 from starlette.types import Message
 
+from asgi_lifetime._asgi import normalize_headers
 from asgi_lifetime._stats import Counters
 from asgi_lifetime.gateway._relay import HOP_BY_HOP, ClientWatch, RelayResult, filter_headers, relay
 from asgi_lifetime.gateway._shutdown import StopSignal
@@ -181,7 +182,10 @@ def test_filter_headers_asgi_direction() -> None:
         (b"X-Kept", b"a"),
         (b"X-Kept", b"b"),
     ]
-    assert filter_headers(headers) == [
+    # As the gateway reads a scope: names lower-cased once where it first reads them, not in here again.
+    scope = {"headers": headers}
+    normalize_headers(scope)
+    assert filter_headers(scope["headers"]) == [
         (b"host", b"gateway"),
         (b"authorization", b"Bearer k"),
         (b"x-kept", b"a"),

@@ -1,0 +1,91 @@
+"""What the gateway refuses from the request head alone, before admission and before the body.
+
+A request the forwarder could not send as it came is refused (400) while only its head has been
+seen: ``GatewayAuth`` has let it in, and not one body message has been taken from the server, nor
+a slot or a byte of the budget from admission. Judged later, after ``LifetimeMiddleware`` had read
+and charged the whole body, a hostile client could make the gateway read up to ``MAX_BODY_BYTES``
+for a refusal its first bytes decided.
+
+- ``invalid_path``: a ``.`` or ``..`` path segment (httpx would resolve it, and the request would
+  leave the forwarded prefix);
+- ``invalid_header``: a header field HTTP/1.1 cannot carry, as h11 checks it before httpcore sends
+  anything (the aiohttp transport hands such fields to httpcore): a name that is not a token
+  (``FIELD_NAME``), a value with a NUL, CR, LF or other whitespace than spaces and tabs. Every line
+  is judged, forwarded or not: a server gave it, and no client needs one. Over HTTP/1.1 the servers
+  refuse these themselves; HTTP/2 (h2) passes ``\\x0b``, ``\\x0c`` and non-token names, and a raw
+  ASGI scope anything.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .._asgi import FIELD_NAME, send_error
+from .._exceptions import MalformedBody, RequestError
+from .._middleware import Lifetime
+
+__all__ = ["RequestHead"]
+
+# Spaces and tabs around a value (OWS) are not part of it and are dropped when it is forwarded; inside
+# it they are allowed, and so is every other byte (obs-text included) but these.
+_NOT_IN_VALUE: Final = re.compile(rb"[\x00\n\r\x0b\x0c]")
+# The body is unread: the server must not parse it as the next request.
+_CLOSE: Final = [(b"connection", b"close")]
+
+
+class RequestHead:
+    """Pure ASGI, between ``GatewayAuth`` and ``LifetimeMiddleware``: refuses (400) a request to a
+    forwarded path whose head cannot be forwarded, before its body is read.
+
+    ```python
+    app = GatewayAuth(RequestHead(LifetimeMiddleware(forwarder, lifetime=lifetime), lifetime=lifetime), ...)
+    ```
+    """
+
+    def __init__(self, app: ASGIApp, *, lifetime: Lifetime) -> None:
+        self.app = app
+        self._lifetime = lifetime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._lifetime.handles(scope):
+            problem = _unforwardable(scope)
+            if problem is not None:
+                await send_error(scope, send, problem, extra_headers=_CLOSE)
+                return
+        await self.app(scope, receive, send)
+
+
+def _unforwardable(scope: Scope) -> RequestError | None:
+    """Why the forwarder could not send this request as it came, or ``None``. A value is never quoted:
+    it may be a credential."""
+    path: str = scope["path"]
+    if "." in path and {".", ".."} & set(path.split("/")):
+        return MalformedBody("the request path has '.' or '..' segments", code="invalid_path")
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    if not headers:
+        return None
+    # Judged all at once, as this runs for every request (twice as fast as line by line): names are tokens
+    # when none is empty and their concatenation is all token characters; no value has a forbidden byte
+    # when their concatenation has none. Only a refusal looks line by line, for the name to give.
+    names = [name for name, _ in headers]
+    if (
+        all(names)
+        and FIELD_NAME.fullmatch(b"".join(names))
+        and not _NOT_IN_VALUE.search(b"".join([value for _, value in headers]))
+    ):
+        return None
+    for name, value in headers:
+        if FIELD_NAME.fullmatch(name) is None:
+            return RequestError(
+                "a request header name is not an HTTP token, so it cannot be forwarded", code="invalid_header"
+            )
+        if _NOT_IN_VALUE.search(value) is not None:
+            break
+    return RequestError(
+        f"the request header {name.decode('latin-1')!r} has a value HTTP/1.1 cannot carry (a NUL, a line"
+        " break, or another control whitespace), so it cannot be forwarded",
+        code="invalid_header",
+    )
