@@ -180,6 +180,7 @@ def create_app(
                 gateway_keys=settings.gateway_keys,
                 upstream_api_key=settings.upstream_api_key,
                 upstream_auth=settings.upstream_auth,
+                body_limits=settings,
             ),
             Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=_handoff(preparers, refold_factory)),
         ],
