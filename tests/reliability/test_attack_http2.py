@@ -479,6 +479,13 @@ REFUSED = {
     ),
     "unsupported-encoding": (CHAT, [(b"content-encoding", b"br")], bytes(2 * MiB), 415, "unsupported_encoding"),
     "no-gateway-key": (CHAT, [], chat_body("x", padding=2 * MiB), 401, "invalid_api_key"),
+    "overloaded": (CHAT, [], chat_body("x", padding=2 * MiB), 503, "overloaded"),
+}
+CASE_SETTINGS: dict[str, dict[str, Any]] = {
+    "no-gateway-key": {"gateway_keys": ("gw-key",), "upstream_api_key": "sk-up"},
+    # The neighbour holds the one slot: the refused request waits ADMISSION_TIMEOUT, reading at most
+    # 64 KiB of its body meanwhile, and is answered 503 with the rest unread.
+    "overloaded": {"max_inflight": 1, "admission_timeout": 0.2, "admission_target_delay": 0},
 }
 
 
@@ -492,9 +499,9 @@ async def test_a_refusal_before_the_body_is_read_spares_the_other_streams(
     # the stream when the answer ends; the client's next DATA frame for it then failed the whole connection
     # (KeyError in hypercorn's h2 protocol, pgjones/hypercorn#329): every other stream on it was cut.
     path, headers, body, status, code = REFUSED[case]
-    keys = {"gateway_keys": ("gw-key",), "upstream_api_key": "sk-up"} if case == "no-gateway-key" else {}
+    changes = CASE_SETTINGS.get(case, {})
     go = threading.Event()
-    with gateway(held_or_streamed(go), worker, transport, max_body_bytes=LIMIT, **keys) as (upstream, app, port):
+    with gateway(held_or_streamed(go), worker, transport, max_body_bytes=LIMIT, **changes) as (upstream, app, port):
         async with h2_client(port) as client:
             refused: list[Stream] = []
 
@@ -502,7 +509,7 @@ async def test_a_refusal_before_the_body_is_read_spares_the_other_streams(
                 with anyio.fail_after(WAIT):
                     refused.append(await client.post(path, body, headers))
 
-            neighbour_headers = [(b"authorization", b"Bearer gw-key")] if keys else []
+            neighbour_headers = [(b"authorization", b"Bearer gw-key")] if "gateway_keys" in changes else []
             neighbour = await neighbour_then(client, go, refuse, neighbour_headers)
             assert complete(neighbour, "neighbour")
             [answer] = refused
@@ -589,3 +596,64 @@ async def test_httpx_over_h2c_gets_its_413_and_keeps_its_connection(worker: str,
         assert refused.json()["error"]["code"] == "request_too_large"
     assert fine.status_code == 200 and fine.json()["size"] == len(small)
     assert len(upstream.requests) == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("worker", "transport"), SERVED)
+async def test_a_client_that_resumes_its_body_after_its_408_spares_the_other_streams(
+    worker: str, transport: str
+) -> None:
+    # Half a body, silence past BODY_IDLE_TIMEOUT (408), then the rest once the answer is in: the data
+    # arrives for a stream the gateway has answered. Its end waits (BODY_IDLE_TIMEOUT at most) for it.
+    go = threading.Event()
+    with gateway(held_or_streamed(go), worker, transport, body_idle_timeout=0.5) as (upstream, app, port):
+        async with h2_client(port) as client:
+            late: list[Stream] = []
+
+            async def pause_then_resume() -> None:
+                body = chat_body("late", padding=MiB)
+                stream_id = await client.open(CHAT, [(b"content-type", b"application/json")])
+                await client.send(stream_id, body[: len(body) // 2], end=False)
+                stream = client.streams[stream_id]
+                await until(lambda: stream.data, "the 408's body")
+                await client.send(stream_id, body[len(body) // 2 :])
+                with anyio.fail_after(WAIT):
+                    await stream.ended.wait()
+                late.append(stream)
+
+            neighbour = await neighbour_then(client, go, pause_then_resume)
+            assert complete(neighbour, "neighbour")
+            [answer] = late
+            assert (answer.status, answer.reset, answer.json()["error"]["code"]) == (408, None, "request_timeout")
+            await idle(app)
+    assert [marker_of(r) for r in upstream.requests] == ["neighbour"]
+
+
+# -- what HTTP/2 lets a client put in a request ------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("worker", "transport"), SERVED)
+async def test_request_trailers_te_and_authority_are_not_forwarded(worker: str, transport: str) -> None:
+    # HTTP/2 carries request trailers (a HEADERS frame after the body), allows ``te: trailers``, and names
+    # the host in ``:authority`` (h2 refuses a ``host`` that differs from it, on both sides). The upstream
+    # gets its own Host, no TE, and none of the trailer fields (hypercorn drops them).
+    with gateway(echo_digest, worker, transport) as (upstream, app, port):
+        async with h2_client(port) as client:
+            head = [(b"content-type", b"application/json"), (b"te", b"trailers")]
+            stream_id = await client.open(CHAT, head)
+            body = chat_body("trailers")
+            await client.send(stream_id, body, end=False)
+            trailers = [(b"x-session-id", b"from-trailer"), (b"authorization", b"Bearer trailer-key")]
+            client.conn.send_headers(stream_id, trailers, end_stream=True)
+            await client.flush()
+            stream = client.streams[stream_id]
+            with anyio.fail_after(WAIT):
+                await stream.ended.wait()
+            await idle(app)
+    assert stream.status == 200 and stream.json()["size"] == len(body)
+    [request] = upstream.requests
+    assert request.headers["host"] == upstream.url.removeprefix("http://")
+    lines = request.raw_head.lower().split(b"\r\n")
+    assert not [line for line in lines if line.startswith((b"te:", b"x-session-id:", b"authorization:"))]
+    assert b"gw.test" not in request.raw_head
