@@ -163,17 +163,18 @@ class BodyWatch:
     client gone), for a refusal that may come before the body was read (``send_error(unread=...)``).
 
     Over HTTP/1.x such a refusal asks the server to close the connection: the unread bytes must not be
-    parsed as the next request. Over HTTP/2 (and 3) the connection carries other clients' streams, and
-    ends the stream with the answer: hypercorn then fails the whole connection on the client's next
-    DATA frame for it (a ``KeyError`` in its h2 protocol, pgjones/hypercorn#329), cutting every other
-    stream. So there the answer goes out at once but its end waits until the client has sent its body,
-    which is read and dropped (one chunk at a time, as the body reader would have), within the limits
-    the body had: ``max_bytes`` more, ``idle_timeout`` between chunks, ``timeout`` in all. Past them the
-    answer ends anyway.
+    parsed as the next request. Over HTTP/2 (and 3) the connection carries other streams (other
+    clients', behind a load balancer), and the server closes a stream when its answer ends: hypercorn
+    then fails the whole connection on the client's next DATA frame for it (a ``KeyError`` in its h2
+    protocol, pgjones/hypercorn#329), cutting every other stream. So there the answer goes out at once,
+    but its end waits until the client has sent its body, which is read and dropped one chunk at a
+    time within the time limits the body had: ``idle_timeout`` between chunks, ``timeout`` in all.
+    Past them the answer ends anyway. There is no byte limit: an honest client may have committed
+    to a body well over the one refused (an SDK's upload), and cutting it there would cut the
+    connection; what it sends costs no memory, and no admission slot is held meanwhile.
     """
 
     receive: Receive
-    max_bytes: int
     idle_timeout: float
     timeout: float
     ended: bool = False
@@ -185,12 +186,11 @@ class BodyWatch:
         return message
 
     async def discard(self) -> None:
-        """Read and drop the rest of the body, within the limits."""
-        taken = 0
+        """Read and drop the rest of the body, within the time limits."""
         with anyio.move_on_after(self.timeout):
-            while not self.ended and taken <= self.max_bytes:
+            while not self.ended:
                 with anyio.fail_after(self.idle_timeout):
-                    taken += len((await self()).get("body", b""))
+                    await self()
 
 
 async def send_error(

@@ -237,7 +237,7 @@ class LifetimeMiddleware:
             return
         counters = lifetime.counters
         settings = lifetime.settings
-        body = BodyWatch(receive, settings.max_body_bytes, settings.body_idle_timeout, settings.body_timeout)
+        body = BodyWatch(receive, settings.body_idle_timeout, settings.body_timeout)
         async with RequestResources(counters) as resources:
             try:
                 inner_scope, replay = await self._admit_and_read(lifetime, scope, body, resources)

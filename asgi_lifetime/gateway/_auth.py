@@ -59,8 +59,8 @@ REDACTED = "[redacted]"
 class GatewayAuth:
     """Pure ASGI: checks gateway keys and injects the upstream key; outermost, so a stranger's
     request is refused before admission or body reading. ``body_limits``: the settings whose
-    ``MAX_BODY_BYTES``, ``BODY_IDLE_TIMEOUT`` and ``BODY_TIMEOUT`` bound what a refused HTTP/2 client
-    may still send before its answer ends (``BodyWatch``); the defaults when omitted.
+    ``BODY_IDLE_TIMEOUT`` and ``BODY_TIMEOUT`` bound how long a refused HTTP/2 client may go on
+    sending before its answer ends (``BodyWatch``); the defaults when omitted.
 
     ```python
     app = GatewayAuth(app, gateway_keys=("k1", "k2"), upstream_api_key="sk-...", open_paths=("/healthz",))
@@ -86,7 +86,7 @@ class GatewayAuth:
         header, template = UPSTREAM_AUTH_SCHEMES[upstream_auth]
         self._inject = (header, template.format(key=upstream_api_key).encode()) if upstream_api_key else None
         self._open_paths = frozenset(open_paths)
-        # MAX_BODY_BYTES, BODY_IDLE_TIMEOUT, BODY_TIMEOUT: what a refused client may still send (BodyWatch).
+        # BODY_IDLE_TIMEOUT, BODY_TIMEOUT: how long a refused client may go on sending (BodyWatch).
         self._limits = body_limits if body_limits is not None else LifetimeSettings()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,7 +112,7 @@ class GatewayAuth:
                 send,
                 AuthenticationError(problem),
                 extra_headers=[(b"www-authenticate", b"Bearer")],
-                unread=BodyWatch(receive, limits.max_body_bytes, limits.body_idle_timeout, limits.body_timeout),
+                unread=BodyWatch(receive, limits.body_idle_timeout, limits.body_timeout),
             )
             return
         scope = dict(scope)

@@ -29,6 +29,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.exceptions
 import h2.settings
 import httpx
 import pytest
@@ -147,7 +148,9 @@ class H2Client:
                 await self.sock.send(data)
 
     async def read(self) -> None:
-        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        # h2.exceptions.ProtocolError: a frame after our own GOAWAY (h2's connection is closed then).
+        gone = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, h2.exceptions.ProtocolError)
+        with contextlib.suppress(*gone):
             while True:
                 data = await self.sock.receive(65536)
                 for event in self.conn.receive_data(data):
