@@ -182,10 +182,11 @@ class H2Client:
             self.window.set()
             self.window = anyio.Event()
 
-    async def open(self, path: str, headers: Sequence[tuple[bytes, bytes]] = (), *, end: bool = False) -> int:
+    async def open(self, path: str | bytes, headers: Sequence[tuple[bytes, bytes]] = (), *, end: bool = False) -> int:
         stream_id: int = self.conn.get_next_available_stream_id()
         self.streams[stream_id] = Stream()
-        head = [(b":method", b"POST"), (b":path", path.encode()), (b":scheme", b"http"), (b":authority", b"gw.test")]
+        target = path.encode() if isinstance(path, str) else path
+        head = [(b":method", b"POST"), (b":path", target), (b":scheme", b"http"), (b":authority", b"gw.test")]
         self.conn.send_headers(stream_id, head + list(headers), end_stream=end)
         await self.flush()
         return stream_id
@@ -660,3 +661,55 @@ async def test_request_trailers_te_and_authority_are_not_forwarded(worker: str, 
     lines = request.raw_head.lower().split(b"\r\n")
     assert not [line for line in lines if line.startswith((b"te:", b"x-session-id:", b"authorization:"))]
     assert b"gw.test" not in request.raw_head
+
+
+PSEUDO_PATHS = {
+    # :path as sent (h2 checks only that it is there): the answer, and whether anything is forwarded.
+    b"/v1/%2e%2e/admin": 400,  # dot segments, encoded: invalid_path
+    b"/v1/chat/completions/../../admin": 400,
+    b"http://evil.test/v1/chat/completions": 404,  # absolute form: not under PATHS
+    b"//evil.test/v1/chat/completions": 404,
+    b"*": 404,
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", PSEUDO_PATHS, ids=repr)
+async def test_a_path_pseudo_header_outside_the_prefixes_is_never_forwarded(path: bytes) -> None:
+    # (A :path with a byte over 0x7F fails hypercorn itself, before the app: its scope decodes it as ASCII.)
+    with gateway(echo_digest, "asyncio") as (upstream, app, port):
+        async with h2_client(port) as client:
+            client.conn.config.validate_outbound_headers = False
+            client.conn.config.normalize_outbound_headers = False
+            stream_id = await client.open(path, [(b"content-type", b"application/json")])
+            await client.send(stream_id, chat_body("path", stream=False))
+            stream = client.streams[stream_id]
+            with anyio.fail_after(WAIT):
+                await stream.ended.wait()
+            await idle(app)
+    assert stream.status == PSEUDO_PATHS[path]
+    assert stream.json()["error"]["code"] == ("invalid_path" if stream.status == 400 else "not_found")
+    assert upstream.requests == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("worker", "transport"), SERVED)
+async def test_a_stream_reset_while_queued_for_admission_leaves_the_queue(worker: str, transport: str) -> None:
+    go = threading.Event()
+    changes = {"max_inflight": 1, "admission_timeout": WAIT, "admission_target_delay": 0}
+    with gateway(held_or_streamed(go), worker, transport, **changes) as (upstream, app, port):
+        async with h2_client(port) as client:
+
+            async def reset_while_queued() -> None:
+                stream_id = await client.open(CHAT, [(b"content-type", b"application/json")])
+                await client.send(stream_id, chat_body("queued"))
+                await until(lambda: app.state.lifetime.stats().queued_requests == 1, "the request queued")
+                await client.reset(stream_id)
+                await until(lambda: app.state.lifetime.stats().aborted == 1, "the queued request seen aborted")
+
+            neighbour = await neighbour_then(client, go, reset_while_queued)  # holds the one slot meanwhile
+            assert complete(neighbour, "neighbour")
+            await idle(app)
+    stats = app.state.lifetime.stats()
+    assert (stats.queued_requests, stats.rejected) == (0, 0)
+    assert [marker_of(r) for r in upstream.requests] == ["neighbour"]
