@@ -3,25 +3,30 @@ mounted path, waiting for a disconnect, work with a task beside it, sending an e
 the gateway both use them.
 
 ``send_error`` is the one way a request is refused (401, 400, 408, 413, 415, 503): an outer layer
-that puts an observer in the scope under ``REFUSED`` (the gateway's ``Refusals``) hears of each.
+that puts an observer in the scope under ``REFUSED`` (the gateway's ``Refusals``) hears of each. A
+refusal that may come before the body was read is given the request's ``BodyWatch``, and its end waits
+for the body on HTTP/2 (see ``BodyWatch``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
 
 import anyio
 import anyio.abc
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from ._exceptions import LifetimeError, MalformedBody, error_shape
 
 __all__ = [
     "FIELD_NAME",
+    "BodyWatch",
     "OWS",
     "REFUSED",
     "Headers",
@@ -180,15 +185,69 @@ async def task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
         failure = None
 
 
+_CLOSE: Final = (b"connection", b"close")
+_MULTIPLEXED: Final = ("2", "3")  # ASGI ``http_version``s whose connection carries other requests
+
+
+@dataclass(eq=False)
+class BodyWatch:
+    """``receive`` that remembers whether the request's body has ended (its last message, or the
+    client gone), for a refusal that may come before the body was read (``send_error(unread=...)``).
+
+    Over HTTP/1.x such a refusal asks the server to close the connection: the unread bytes must not be
+    parsed as the next request. Over HTTP/2 (and 3) the connection carries other streams (other
+    clients', behind a load balancer), and the server closes a stream when its answer ends: hypercorn
+    then fails the whole connection on the client's next DATA frame for it (a ``KeyError`` in its h2
+    protocol, pgjones/hypercorn#329), cutting every other stream. So there the answer goes out at once,
+    but its end waits until the client has sent its body, which is read and dropped one chunk at a
+    time within the time limits the body had: ``idle_timeout`` between chunks, ``timeout`` in all.
+    Past them the answer ends anyway. There is no byte limit: an honest client may have committed
+    to a body well over the one refused (an SDK's upload), and cutting it there would cut the
+    connection; what it sends costs no memory, and no admission slot is held meanwhile.
+    """
+
+    receive: Receive
+    idle_timeout: float
+    timeout: float
+    ended: bool = False
+
+    async def __call__(self) -> Message:
+        message = await self.receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.ended = True
+        return message
+
+    async def discard(self) -> None:
+        """Read and drop the rest of the body, within the time limits."""
+        with anyio.move_on_after(self.timeout):
+            while not self.ended:
+                with anyio.fail_after(self.idle_timeout):
+                    await self()
+
+
 async def send_error(
-    scope: Scope, send: Send, exc: LifetimeError, *, extra_headers: Sequence[tuple[bytes, bytes]] = ()
+    scope: Scope,
+    send: Send,
+    exc: LifetimeError,
+    *,
+    extra_headers: Sequence[tuple[bytes, bytes]] = (),
+    unread: BodyWatch | None = None,
 ) -> None:
     """Send ``exc`` as a complete JSON error response, in the shape the client of ``scope`` parses,
-    and tell the scope's ``REFUSED`` observer, if any."""
+    and tell the scope's ``REFUSED`` observer, if any. ``unread``: the body may not have been read
+    (see ``BodyWatch`` for what that changes)."""
+    multiplexed = scope.get("http_version") in _MULTIPLEXED
+    if unread is not None and not multiplexed:
+        extra_headers = (*extra_headers, _CLOSE)
     start, body = exc.asgi_response(extra_headers, shape=error_shape(scope["path"], scope["headers"]))
+    waits = unread is not None and multiplexed and not unread.ended
     try:
         await send(start)
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await send({"type": "http.response.body", "body": body, "more_body": waits})
+        if unread is not None and waits:
+            with contextlib.suppress(TimeoutError):
+                await unread.discard()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:  # refused all the same when the client is gone before the answer
         observer: Callable[[Scope, LifetimeError], None] | None = scope.get(REFUSED)
         if observer is not None:

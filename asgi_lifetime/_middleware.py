@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _json
 from ._admission import Admission, Ticket
-from ._asgi import REFUSED, is_json, list_field, normalize_headers, route_path, send_error, task_group
+from ._asgi import REFUSED, BodyWatch, is_json, list_field, normalize_headers, route_path, send_error, task_group
 from ._body import parse_content_length, read_body
 from ._exceptions import (
     BodyAborted,
@@ -36,7 +36,6 @@ __all__ = ["Lifetime", "LifetimeMiddleware", "RequestLifetime"]
 logger = logging.getLogger(__name__)
 
 _NOT_PARSED: Any = object()
-_CLOSE = ((b"connection", b"close"),)
 
 
 class Lifetime:
@@ -238,17 +237,19 @@ class LifetimeMiddleware:
             return
         normalize_headers(scope)  # every name compared below, and by the app, is lower-case
         counters = lifetime.counters
+        settings = lifetime.settings
+        body = BodyWatch(receive, settings.body_idle_timeout, settings.body_timeout)
         async with RequestResources(counters) as resources:
             try:
-                inner_scope, replay = await self._admit_and_read(lifetime, scope, receive, resources)
+                inner_scope, replay = await self._admit_and_read(lifetime, scope, body, resources)
             except LifetimeError as exc:
                 _count(counters, exc)
                 if isinstance(exc, BodyAborted):
                     logger.info("%s %s: %s", scope["method"], scope["path"], exc.message)
                 else:
                     # The body may be unread: the server must not parse what follows on this
-                    # connection as a new request (smuggling), so ask it to close.
-                    await send_error(scope, send, exc, extra_headers=_CLOSE)
+                    # connection as a new request (smuggling), nor fail it for the data still coming.
+                    await send_error(scope, send, exc, unread=body)
                 return
             settle = _Settle(inner_scope["state"]["lifetime"], resources, counters, send)
             try:

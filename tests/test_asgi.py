@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
 import anyio
 import pytest
 
-from asgi_lifetime._asgi import normalize_headers, task_group
-from asgi_lifetime._exceptions import BodyTooComplex
+from asgi_lifetime._asgi import BodyWatch, normalize_headers, send_error, task_group
+from asgi_lifetime._exceptions import BodyTooComplex, BodyTooLarge
 
 pytestmark = pytest.mark.anyio
 
@@ -118,3 +121,91 @@ async def test_header_names_are_lowercased_and_cookie_fields_joined(
     assert scope["headers"] == normal
     normalize_headers(scope)
     assert scope["headers"] == normal  # once is enough
+
+
+# -- send_error for a request whose body may be unread ------------------------------------------------
+
+
+def _scope(version: str) -> dict[str, object]:
+    return {"type": "http", "http_version": version, "path": "/v1/chat/completions", "headers": []}
+
+
+def _script(*messages: dict[str, object], then: str = "hang") -> Any:
+    """A ``receive`` returning ``messages``, then hanging (``then="hang"``) or ``http.disconnect``."""
+    queue = list(messages)
+
+    async def receive() -> dict[str, object]:
+        if queue:
+            return queue.pop(0)
+        if then == "hang":
+            await anyio.sleep_forever()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def _refuse(version: str, watch: BodyWatch) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
+
+    await send_error(_scope(version), send, BodyTooLarge(10), unread=watch)
+    return sent
+
+
+def _watch(receive: Any, *, idle: float = 5.0, total: float = 5.0) -> BodyWatch:
+    return BodyWatch(receive, idle, total)
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+async def test_over_http1_an_unread_body_closes_the_connection_and_nothing_is_read(version: str) -> None:
+    receive = _script({"type": "http.request", "body": b"x", "more_body": True})
+    sent = await _refuse(version, _watch(receive))
+    assert (b"connection", b"close") in sent[0]["headers"]
+    assert [m.get("more_body") for m in sent[1:]] == [False]
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+async def test_over_http2_the_answer_ends_once_the_body_has_been_read_and_dropped(version: str) -> None:
+    chunks = [{"type": "http.request", "body": b"x" * 100, "more_body": True} for _ in range(3)]
+    receive = _script(*chunks, {"type": "http.request", "body": b"", "more_body": False})
+    watch = _watch(receive)
+    sent = await _refuse(version, watch)
+    assert all(name != b"connection" for name, _ in sent[0]["headers"])
+    assert sent[1]["more_body"] is True and b"request_too_large" in sent[1]["body"]
+    assert sent[2] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert watch.ended
+
+
+async def test_over_http2_a_body_already_ended_is_not_waited_for() -> None:
+    watch = _watch(_script())
+    watch.ended = True
+    sent = await _refuse("2", watch)
+    assert [m.get("more_body") for m in sent[1:]] == [False]
+
+
+def _endless() -> Any:
+    async def receive() -> dict[str, object]:
+        await anyio.sleep(0.001)
+        return {"type": "http.request", "body": b"x" * 600, "more_body": True}
+
+    return receive
+
+
+BOUNDED: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
+    "silent": (lambda: _script(then="hang"), {"idle": 0.05}),  # one idle timeout
+    "gone": (lambda: _script(then="disconnect"), {}),
+    "endless": (  # a chunk at a time, never the end: BODY_TIMEOUT
+        lambda: _endless(),
+        {"total": 0.1},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BOUNDED)
+async def test_over_http2_the_wait_for_the_body_is_bounded(case: str) -> None:
+    make, limits = BOUNDED[case]
+    with anyio.fail_after(2):
+        sent = await _refuse("2", _watch(make(), **limits))
+    assert [m.get("more_body") for m in sent[1:]] == [True, False]

@@ -181,6 +181,7 @@ def create_app(
                 gateway_keys=settings.gateway_keys,
                 upstream_api_key=settings.upstream_api_key,
                 upstream_auth=settings.upstream_auth,
+                body_limits=settings,
             ),
             # Then: a head that cannot be forwarded is refused before admission or body reading.
             Middleware(RequestHead, lifetime=lifetime),

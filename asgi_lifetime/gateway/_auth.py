@@ -29,8 +29,9 @@ from urllib.parse import quote, unquote_to_bytes
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._asgi import normalize_headers, route_path, send_error
+from .._asgi import BodyWatch, normalize_headers, route_path, send_error
 from .._exceptions import AuthenticationError
+from .._settings import LifetimeSettings
 
 __all__ = [
     "CREDENTIAL_HEADERS",
@@ -57,7 +58,9 @@ REDACTED = "[redacted]"
 
 class GatewayAuth:
     """Pure ASGI: checks gateway keys and injects the upstream key; outermost, so a stranger's
-    request is refused before admission or body reading.
+    request is refused before admission or body reading. ``body_limits``: the settings whose
+    ``BODY_IDLE_TIMEOUT`` and ``BODY_TIMEOUT`` bound how long a refused HTTP/2 client may go on
+    sending before its answer ends (``BodyWatch``); the defaults when omitted.
 
     ```python
     app = GatewayAuth(app, gateway_keys=("k1", "k2"), upstream_api_key="sk-...", open_paths=("/healthz",))
@@ -72,6 +75,7 @@ class GatewayAuth:
         upstream_api_key: str | None,
         upstream_auth: str = "bearer",
         open_paths: Collection[str] = ("/healthz", "/metrics"),
+        body_limits: LifetimeSettings | None = None,
     ) -> None:
         if upstream_auth not in UPSTREAM_AUTH_SCHEMES:
             raise ValueError(
@@ -82,6 +86,8 @@ class GatewayAuth:
         header, template = UPSTREAM_AUTH_SCHEMES[upstream_auth]
         self._inject = (header, template.format(key=upstream_api_key).encode()) if upstream_api_key else None
         self._open_paths = frozenset(open_paths)
+        # BODY_IDLE_TIMEOUT, BODY_TIMEOUT: how long a refused client may go on sending (BodyWatch).
+        self._limits = body_limits if body_limits is not None else LifetimeSettings()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self._inject is None or route_path(scope) in self._open_paths:
@@ -99,12 +105,15 @@ class GatewayAuth:
             allowed = client is not None and is_loopback(str(client[0]))
             problem = "this gateway injects its upstream key and has no gateway keys: loopback clients only"
         if not allowed:
-            # The body is unread: ask the server to close rather than parse it as the next request.
+            limits = self._limits
+            # The body is unread: the server must not parse it as the next request, nor fail the
+            # connection for the data still coming.
             await send_error(
                 scope,
                 send,
                 AuthenticationError(problem),
-                extra_headers=[(b"www-authenticate", b"Bearer"), (b"connection", b"close")],
+                extra_headers=[(b"www-authenticate", b"Bearer")],
+                unread=BodyWatch(receive, limits.body_idle_timeout, limits.body_timeout),
             )
             return
         scope = dict(scope)

@@ -23,7 +23,7 @@ from typing import Final
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._asgi import FIELD_NAME, send_error
+from .._asgi import FIELD_NAME, BodyWatch, send_error
 from .._exceptions import MalformedBody, RequestError
 from .._middleware import Lifetime
 
@@ -32,8 +32,6 @@ __all__ = ["RequestHead"]
 # Spaces and tabs around a value (OWS) are not part of it and are dropped when it is forwarded; inside
 # it they are allowed, and so is every other byte (obs-text included) but these.
 _NOT_IN_VALUE: Final = re.compile(rb"[\x00\n\r\x0b\x0c]")
-# The body is unread: the server must not parse it as the next request.
-_CLOSE: Final = [(b"connection", b"close")]
 
 
 class RequestHead:
@@ -53,7 +51,11 @@ class RequestHead:
         if self._lifetime.handles(scope):
             problem = _unforwardable(scope)
             if problem is not None:
-                await send_error(scope, send, problem, extra_headers=_CLOSE)
+                # The body is unread: the server must not parse it as the next request (HTTP/1.1),
+                # nor fail the connection for the data still coming (HTTP/2).
+                settings = self._lifetime.settings
+                unread = BodyWatch(receive, settings.body_idle_timeout, settings.body_timeout)
+                await send_error(scope, send, problem, unread=unread)
                 return
         await self.app(scope, receive, send)
 

@@ -46,6 +46,8 @@ class RawUpstream:
     connections: int = 0
     held: threading.Event = field(default_factory=threading.Event)  # a HOLD step is waiting
     released: threading.Event = field(default_factory=threading.Event)  # its peer hung up
+    holding: int = 0  # HOLD steps waiting now
+    releases: int = 0  # HOLD steps whose peer hung up
     hung_up: set[int] = field(default_factory=set)  # connections the peer closed between requests
 
     def targets(self) -> list[str]:
@@ -102,9 +104,14 @@ def raw_upstream(answer: Callable[[RawRequest], Script]) -> Iterator[RawUpstream
                         if step == CLOSE:
                             return
                         if step == HOLD:
+                            with lock:
+                                upstream.holding += 1
                             upstream.held.set()
                             while sock.recv(65536):
                                 pass
+                            with lock:
+                                upstream.holding -= 1
+                                upstream.releases += 1
                             upstream.released.set()
                             return
                         if callable(step):
