@@ -558,7 +558,9 @@ class UpstreamClient:
         captured = error_body.data if error_body.decoded else b""
         if retry.reshapes_in_time(self._clock()):
             reshaped = self._reshape(prepared, retry, status, captured)
-            if reshaped is not None:
+            # Asked again once the body is built: a large body's refold takes a while, and
+            # RETRY_DEADLINE bounds when an attempt starts, not only when its body is made.
+            if reshaped is not None and retry.reshapes_in_time(self._clock()):
                 return reshaped
         return replay(response, error_body, self._scrubber, limit=self._settings.error_body_limit)
 
