@@ -8,9 +8,9 @@ the client leaves, the server drains, the refold raises. Each request must settl
 gateway idle) and leave its refold closure, and through it the conversation, unreachable with the
 collector off.
 
-Written against 563aba6, which ran the refold of a body from ``THREAD_THRESHOLD`` on in a worker thread
-(reverted since, in 35d2303: the refold runs on the event loop again). The refold here blocks the
-gateway's event loop (uvicorn's thread) while it waits, never the test's.
+The refold runs on the gateway's event loop (docs/design.md says why), so the held refold blocks the
+gateway's loop (uvicorn's thread) while it waits, never the test's. Written against 563aba6, which ran it
+in a worker thread from ``THREAD_THRESHOLD`` on (reverted in 35d2303); the tests hold for both.
 """
 
 from __future__ import annotations
