@@ -13,7 +13,10 @@ for a refusal its first bytes decided.
   (``FIELD_NAME``), a value with a NUL, CR, LF or other whitespace than spaces and tabs. Every line
   is judged, forwarded or not: a server gave it, and no client needs one. Over HTTP/1.1 the servers
   refuse these themselves; HTTP/2 (h2) passes ``\\x0b``, ``\\x0c`` and non-token names, and a raw
-  ASGI scope anything.
+  ASGI scope anything;
+- ``conflicting_session_id``, ``session_id_too_long``: two different session ids (the gateway would key
+  by one while the upstream is sent both), or one over ``MAX_SESSION_ID_BYTES`` (``session_id``, which
+  the forwarder reads the id with).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from typing import Final
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._asgi import FIELD_NAME, BodyWatch, send_error
+from .._asgi import FIELD_NAME, BodyWatch, Headers, normalize_headers, send_error, single_field
 from .._exceptions import MalformedBody, RequestError
 from .._middleware import Lifetime
+from .._settings import LifetimeSettings
 
-__all__ = ["RequestHead"]
+__all__ = ["RequestHead", "session_id"]
 
 # Spaces and tabs around a value (OWS) are not part of it and are dropped when it is forwarded; inside
 # it they are allowed, and so is every other byte (obs-text included) but these.
@@ -36,7 +40,8 @@ _NOT_IN_VALUE: Final = re.compile(rb"[\x00\n\r\x0b\x0c]")
 
 class RequestHead:
     """Pure ASGI, between ``GatewayAuth`` and ``LifetimeMiddleware``: refuses (400) a request to a
-    forwarded path whose head cannot be forwarded, before its body is read.
+    forwarded path whose head cannot be forwarded, or names a session the gateway refuses, before its
+    body is read.
 
     ```python
     app = GatewayAuth(RequestHead(LifetimeMiddleware(forwarder, lifetime=lifetime), lifetime=lifetime), ...)
@@ -49,7 +54,8 @@ class RequestHead:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._lifetime.handles(scope):
-            problem = _unforwardable(scope)
+            normalize_headers(scope)  # done already when GatewayAuth read them; the session header by name
+            problem = _unforwardable(scope) or _session_refused(scope, self._lifetime.settings)
             if problem is not None:
                 # The body is unread: the server must not parse it as the next request (HTTP/1.1),
                 # nor fail the connection for the data still coming (HTTP/2).
@@ -58,6 +64,34 @@ class RequestHead:
                 await send_error(scope, send, problem, unread=unread)
                 return
         await self.app(scope, receive, send)
+
+
+def session_id(headers: Headers, settings: LifetimeSettings) -> str | None:
+    """The client's session id (``SESSION_HEADER``), ``None`` without one; two different ids, or one over
+    ``MAX_SESSION_ID_BYTES``, raise the client's 400 (``RequestHead`` refuses them before the body)."""
+    name = settings.session_header.lower().encode("latin-1")
+    value = single_field(headers, name, conflict=lambda: _conflicting_ids(settings), skip_empty=True)
+    if value is None:
+        return None
+    if len(value) > settings.max_session_id_bytes:
+        raise RequestError(
+            f"the {settings.session_header} header is {len(value)} bytes long; "
+            f"at most {settings.max_session_id_bytes} are accepted",
+            code="session_id_too_long",
+        )
+    return value.decode("latin-1")
+
+
+def _session_refused(scope: Scope, settings: LifetimeSettings) -> RequestError | None:
+    try:
+        session_id(scope["headers"], settings)
+    except RequestError as exc:
+        return exc
+    return None
+
+
+def _conflicting_ids(settings: LifetimeSettings) -> RequestError:
+    return RequestError(f"conflicting {settings.session_header} headers", code="conflicting_session_id")
 
 
 def _unforwardable(scope: Scope) -> RequestError | None:
