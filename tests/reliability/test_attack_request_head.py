@@ -200,13 +200,14 @@ DOTTED_HEAD = b"POST /v1/./chat/completions HTTP/1.1\r\nhost: gateway.test\r\nco
 
 
 def exchange(port: int, first: bytes, then: bytes = b"") -> bytes:
-    """Send ``first``, read the answer's first bytes, send ``then`` (if the server still takes it), and read
-    until the server closes (a reset after the answer counts as closed)."""
+    """Send ``first``, read one whole answer, send ``then`` (if the server still takes it), and read until
+    the server closes (a reset once the answer is in counts as closed): every byte the server sent."""
     answer = b""
     with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
         sock.sendall(first)
         try:
-            answer += sock.recv(65536)
+            while not _whole(answer) and (data := sock.recv(65536)):
+                answer += data
             if then:
                 sock.sendall(then)
             while data := sock.recv(65536):
@@ -214,6 +215,14 @@ def exchange(port: int, first: bytes, then: bytes = b"") -> bytes:
         except (ConnectionResetError, BrokenPipeError):
             pass
     return answer
+
+
+def _whole(answer: bytes) -> bool:
+    head, found, body = answer.partition(b"\r\n\r\n")
+    if not found:
+        return False
+    lengths = [line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+    return len(body) >= int(lengths[0]) if lengths else True
 
 
 def status_and_close(answer: bytes) -> tuple[int, bool]:
