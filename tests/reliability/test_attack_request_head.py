@@ -37,7 +37,7 @@ from asgi_lifetime.testing import assert_idle
 
 from .._asgi import Recorder, body_receive, http_scope
 from ..gateway.test_request_head import BODY, PATHS, Client, access_lines, call, gateway, start_headers
-from .test_attack_headers import served
+from .test_attack_headers import post_http2, served
 
 KEY = [(b"authorization", b"Bearer gw-key")]
 KEYED = {"gateway_keys": ("gw-key",), "upstream_api_key": "sk-upstream"}
@@ -188,6 +188,79 @@ async def test_a_session_id_the_gateway_refuses_is_refused_before_the_body_is_re
         code,
     )
     assert refused_count(metrics, code) == 1.0
+
+
+# A target httpx cannot make a URL of: before, the forwarder raised httpx.InvalidURL after the body was
+# read, a 500 with a traceback logged as an error.
+CONTROL_TARGETS = [
+    ("/v1/chat/completions", b"a=\x01"),
+    ("/v1/chat/completions", b"a=\x0bb"),
+    ("/v1/chat/completions", b"x\x7f"),
+    ("/v1/chat\x1bcompletions", b""),
+    ("/v1/chat/completions\t", b""),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("path", "query"), CONTROL_TARGETS, ids=repr)
+async def test_a_target_with_a_control_character_is_the_clients_400_before_the_body(
+    path: str, query: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    client, recorder = Client(DECLARED), Recorder()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(DECLARED).encode())]
+    async with gateway() as (upstream, app):
+        with anyio.fail_after(10):
+            await app(http_scope(path, headers, query_string=query), client.receive, recorder)
+        await assert_idle(app)
+    assert (recorder.status, client.taken) == (400, 0)
+    assert json.loads(recorder.body)["error"]["code"] == "invalid_path"
+    assert upstream.requests == []
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
+
+
+@pytest.mark.anyio
+async def test_the_longest_target_an_upstream_url_can_take_is_forwarded_and_one_more_is_refused() -> None:
+    async with gateway() as (upstream, app):
+        room = 65536 - len(upstream.url)  # httpx refuses a longer URL
+        path = PATHS["openai"]
+        query = b"q=" + b"x" * (room - len(path) - 3)
+        scope_headers = [(b"content-type", b"application/json")]
+        fits = await call_query(app, path, scope_headers, query)
+        over = await call_query(app, path, scope_headers, query + b"x")
+    assert fits.status == 200 and len(upstream.requests[0].target) == room
+    assert over.status == 400 and json.loads(over.body)["error"]["code"] == "invalid_path"
+    assert b"xxxx" not in over.body  # the query is never quoted: it may carry a key
+    assert len(upstream.requests) == 1
+
+
+async def call_query(app: Any, path: str, headers: list[tuple[bytes, bytes]], query: bytes) -> Recorder:
+    recorder = Recorder()
+    scope = http_scope(path, [(b"content-length", str(len(BODY)).encode()), *headers], query_string=query)
+    with anyio.fail_after(10):
+        await app(scope, body_receive(BODY), recorder)
+    return recorder
+
+
+@pytest.mark.parametrize("server", ["hypercorn-asyncio", "hypercorn-trio"])
+def test_a_control_character_in_an_http2_target_is_the_clients_400(server: str) -> None:
+    # h2 refuses only NUL, CR and LF in ``:path``.
+    with served(server, "httpcore") as (upstream, _, port):
+        status, body = post_http2(port, [], path=PATHS["openai"] + "?a=\x0b")
+        again = post_http2(port, [])
+    assert (status, json.loads(body)["error"]["code"]) == (400, "invalid_path")
+    assert again == (200, b"{}") and len(upstream.requests) == 1
+
+
+def test_a_query_too_long_for_a_url_under_uvicorn_h11_is_the_clients_400() -> None:
+    # h11 takes a whole request line of any size when it comes in one read.
+    target = PATHS["openai"].encode() + b"?q=" + b"x" * 70_000
+    request = b"POST " + target + b" HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+    request += b"content-length: %d\r\n\r\n" % len(BODY) + BODY
+    with served("h11", "httpcore") as (upstream, _, port):
+        answer = exchange(port, request)
+    assert status_and_close(answer) == (400, True) and b'"invalid_path"' in answer
+    assert upstream.requests == []
 
 
 # --- the connection after the 400, through real servers --------------------------------------------
