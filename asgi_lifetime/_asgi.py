@@ -66,15 +66,16 @@ def normalize_headers(scope: Scope) -> None:
     ``.lower()``: ``Authorization`` is then the credential that is replaced, ``Content-Encoding`` the
     coding that is decoded. Over HTTP/2 each cookie may be a field of its own; they are joined with
     ``"; "`` (RFC 9113 8.2.3) as HTTP/1.1, and an upstream, expect one field. Any other repeated field
-    stays as it is. Replaced in place, so that layers outside see the same; when nothing needs it (the
-    usual case: one scan, nothing allocated), the scope is left alone.
+    stays as it is. The scope's list is replaced, never changed: a layer outside that kept it keeps what
+    it read, and one that reads the scope afterwards sees what the app saw. When nothing needs it (the
+    usual case, names with no letter included: one scan, nothing allocated), the scope is left alone.
     """
     headers: list[tuple[bytes, bytes]] = scope["headers"]
     cookies = 0
     for name, _ in headers:
         if name == b"cookie":
             cookies += 1
-        elif not name.islower():  # also a name with no letter at all: rebuilt the same, harmlessly
+        elif not name.islower() and name != name.lower():  # islower() is False without a letter too: ``-``
             break
     else:
         if cookies < 2:

@@ -17,11 +17,12 @@ from typing import Any
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from .._asgi import OWS, is_json, send_error, single_field, task_group, upstream_path
-from .._exceptions import LifetimeError, MalformedBody, RequestError, error_shape
+from .._asgi import OWS, is_json, send_error, task_group, upstream_path
+from .._exceptions import LifetimeError, MalformedBody, error_shape
 from .._middleware import Lifetime, RequestLifetime
 from .._resources import RequestResources, Resource
 from ._bookkeeping import Bookkeeper, Claim, Outcome, SessionBook, record_outcome
+from ._head import session_id as read_session_id
 from ._memory import trim_after_large_request
 from ._prepare import Prepared, Preparer, prepare
 from ._refold import Conversation, Refold, default_refold
@@ -97,7 +98,6 @@ class Forwarder:
         self.book = book
         self.refold_factory = refold_factory
         self.stop = stop
-        self._session_header = self.settings.session_header.lower().encode("latin-1")
         # A shared book decides a session's change at admission; not if it records nothing (replaced by a
         # bookkeeper of the caller's): its claim would never run on_change.
         self._claims = book.claims_at_admission and any(each is book for each in self.bookkeepers)
@@ -112,7 +112,7 @@ class Forwarder:
         exchange = _Exchange()
         claim: Claim | None = None
         try:
-            session_id = self._session_id(scope)
+            session_id = read_session_id(scope["headers"], self.settings)  # RequestHead judged it
             if session_id is not None:
                 resources.add(self.book.pin(session_id))
                 if self._claims:  # bounded by SESSION_STORE_TIMEOUT; the in-memory book never gets here
@@ -317,20 +317,3 @@ class Forwarder:
             malloc_trim=self.settings.malloc_trim,
         )
         return prepared, held
-
-    def _session_id(self, scope: Scope) -> str | None:
-        """The client's session id; too long an id, or two different ones, are refused (400)
-        before anything keys by it (the upstream would be sent both lines)."""
-        value = single_field(scope["headers"], self._session_header, conflict=self._conflicting_ids, skip_empty=True)
-        if value is None:
-            return None
-        if len(value) > self.settings.max_session_id_bytes:
-            raise RequestError(
-                f"the {self.settings.session_header} header is {len(value)} bytes long; "
-                f"at most {self.settings.max_session_id_bytes} are accepted",
-                code="session_id_too_long",
-            )
-        return value.decode("latin-1")
-
-    def _conflicting_ids(self) -> RequestError:
-        return RequestError(f"conflicting {self.settings.session_header} headers", code="conflicting_session_id")

@@ -181,9 +181,11 @@ REFUSAL_REASONS: Final = frozenset(
         "conflicting_content_type",
         "unexpected_message",
         "unsupported_http_version",
-        # 400 (RequestHead: a head that cannot be forwarded)
+        # 400 (RequestHead: a head that cannot be forwarded, a session id refused)
         "invalid_path",
         "invalid_header",
+        "conflicting_session_id",
+        "session_id_too_long",
         # 408, 413, 415
         "request_timeout",
         "request_body_timeout",
