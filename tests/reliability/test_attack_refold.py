@@ -454,23 +454,21 @@ def anthropic_text(url: str) -> str:
             return stream.get_final_text()
 
 
-async def test_the_openai_sdk_gets_the_answer_of_a_refolded_conversation() -> None:
-    events = b"".join(sse_frame(name, data) for name, data in chat_chunks("m"))
-    with raw_upstream(sdk_upstream({PATH: events}, "openai")) as upstream:
-        app = gateway(upstream.url)
-        with serve_in_thread(app) as url:
-            text = await anyio.to_thread.run_sync(openai_text, url)
-            await assert_idle(app, url)
-    assert text.strip() == TEXT
-    assert len(upstream.requests) == 2 and OLDEST.encode() not in upstream.requests[1].body
+SDKS: dict[str, tuple[str, Callable[[], list[tuple[str | None, Any]]], Callable[[str], str]]] = {
+    # name: (the path it posts to, the upstream's events, the SDK call giving the answer's text)
+    "openai": (PATH, lambda: chat_chunks("m"), openai_text),
+    "anthropic": (ANTHROPIC_PATH, lambda: anthropic_events("claude"), anthropic_text),
+}
 
 
-async def test_the_anthropic_sdk_gets_the_answer_of_a_refolded_conversation() -> None:
-    events = b"".join(sse_frame(name, data) for name, data in anthropic_events("claude"))
-    with raw_upstream(sdk_upstream({ANTHROPIC_PATH: events}, "anthropic")) as upstream:
+@pytest.mark.parametrize("sdk", SDKS)
+async def test_an_sdk_gets_the_answer_of_a_refolded_conversation(sdk: str) -> None:
+    path, events_of, ask = SDKS[sdk]
+    events = b"".join(sse_frame(name, data) for name, data in events_of())
+    with raw_upstream(sdk_upstream({path: events}, sdk)) as upstream:
         app = gateway(upstream.url)
         with serve_in_thread(app) as url:
-            text = await anyio.to_thread.run_sync(anthropic_text, url)
+            text = await anyio.to_thread.run_sync(ask, url)
             await assert_idle(app, url)
     assert text.strip() == TEXT
     assert len(upstream.requests) == 2 and OLDEST.encode() not in upstream.requests[1].body
