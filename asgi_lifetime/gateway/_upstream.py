@@ -558,23 +558,36 @@ class UpstreamClient:
         captured = error_body.data if error_body.decoded else b""
         if retry.reshapes_in_time(self._clock()):
             reshaped = self._reshape(prepared, retry, status, captured)
-            # Asked again once the body is built: a large body's refold takes a while, and
-            # RETRY_DEADLINE bounds when an attempt starts, not only when its body is made.
-            if reshaped is not None and retry.reshapes_in_time(self._clock()):
+            if reshaped is not None:
                 return reshaped
         return replay(response, error_body, self._scrubber, limit=self._settings.error_body_limit)
 
     def _reshape(self, prepared: Prepared, retry: Retry, status: int, captured: bytes) -> Retry | None:
         """The next attempt's state if the error asks for a refold or a role rename and the body changed."""
-        overflow = match_overflow(status, captured) if prepared.refold else None
-        if overflow is not None:
-            refolded = self._refold(prepared, overflow.window, retry.attempt, status)
-            return retry.increment() if refolded else None
-        rejected = match_rejected_role(status, captured) if prepared.remap_role is not None else None
+        refold, remap = prepared.refold, prepared.remap_role
+        if refold is not None and (overflow := match_overflow(status, captured)) is not None:
+            if not self._adopt(prepared, refold(overflow.window), retry):
+                return None
+            self._counters.refolded += 1
+            self._emit(AttemptEvent("refold", retry.attempt, status, f"context overflow, window {overflow.window}"))
+            return retry.increment()
+        rejected = match_rejected_role(status, captured) if remap is not None else None
         target = retry.role_target(rejected) if rejected is not None else None
-        if rejected is None or target is None:
+        if remap is None or rejected is None or target is None:
             return None
-        return retry.increment(role=target) if self._remap(prepared, rejected, target, retry.attempt) else None
+        if not self._adopt(prepared, remap(rejected, target), retry):
+            return None
+        self._emit(AttemptEvent("role", retry.attempt, 400, f"role {rejected!r} rejected, sent as {target!r}"))
+        return retry.increment(role=target)
+
+    def _adopt(self, prepared: Prepared, body: bytes | None, retry: Retry) -> bool:
+        """Make ``body`` (a refold's or a rename's) the next attempt's, if it is one: it changed the body,
+        and RETRY_DEADLINE still allows an attempt now that it is built (a large body's refold takes a
+        while; the deadline bounds when an attempt starts, not only when its body is made)."""
+        if body is None or body == prepared.body or not retry.reshapes_in_time(self._clock()):
+            return False
+        prepared.body = body
+        return True
 
     async def _send(self, prepared: Prepared, base: str) -> httpx.Response | _Failure:
         """One attempt up to the response headers."""
@@ -683,23 +696,6 @@ class UpstreamClient:
         by ``stall_timeout``; the response is closed whatever happens (see ``_error_body``)."""
         settings = self._settings
         return await read_error_body(response, limit=settings.error_body_limit, stall_timeout=settings.stall_timeout)
-
-    def _refold(self, prepared: Prepared, window: int | None, attempt: int, status: int) -> bool:
-        body = prepared.refold(window) if prepared.refold is not None else None
-        if body is None or body == prepared.body:
-            return False
-        prepared.body = body
-        self._counters.refolded += 1
-        self._emit(AttemptEvent("refold", attempt, status, f"context overflow, window {window}"))
-        return True
-
-    def _remap(self, prepared: Prepared, rejected: str, target: str, attempt: int) -> bool:
-        body = prepared.remap_role(rejected, target) if prepared.remap_role is not None else None
-        if body is None or body == prepared.body:
-            return False
-        prepared.body = body
-        self._emit(AttemptEvent("role", attempt, 400, f"role {rejected!r} rejected, sent as {target!r}"))
-        return True
 
     async def _pause(self, attempt: int, status: int | None, reason: str, delay: float) -> None:
         self._counters.retried += 1

@@ -33,7 +33,7 @@ import pytest
 import respx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from asgi_lifetime import LifetimeSettings
+from asgi_lifetime import Lifetime, LifetimeSettings
 from asgi_lifetime._parse import THREAD_THRESHOLD
 from asgi_lifetime._settings import RetainOutbound
 from asgi_lifetime.gateway import create_app
@@ -291,14 +291,18 @@ async def test_the_reshaped_body_is_not_sent_once_the_retry_deadline_passed_whil
         return reshape(*args)  # type: ignore[no-any-return]
 
     setattr(prepared, attribute, slow)
+    recorder, lifetime = Recorder(), Lifetime(settings)
     with respx.mock(base_url=BASE, assert_all_called=False) as router:
         route = router.post(PATH).mock(side_effect=[httpx.Response(400, json=reject), httpx.Response(200, json=OK)])
-        async with make_upstream(Recorder(), settings) as upstream:
+        async with make_upstream(recorder, settings, lifetime=lifetime) as upstream:
             upstream._clock = clock
             answer = await upstream.forward(prepared, on_retries_settled=lambda: None)
             assert answer.status_code == 400 and json.loads(await answer.aread()) == reject
             await answer.aclose()
     assert route.call_count == 1
+    # Not counted nor reported as made: the refold (or rename) nobody sent.
+    assert lifetime.counters.refolded == 0
+    assert [event.kind for event in recorder.events] == ["settled"]
 
 
 @pytest.mark.parametrize("max_attempts", [1, 2])
