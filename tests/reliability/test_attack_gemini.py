@@ -14,6 +14,7 @@ import io
 import logging
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import Any
 
@@ -253,6 +254,33 @@ def test_an_upstream_error_status_is_the_sdks_error(
         served.wait_idle()
 
 
+def _retry_info(delay: str) -> Fault:
+    """Google's 429: no ``Retry-After`` header, the wait in the body (``google.rpc.RetryInfo``)."""
+    return Fault(status=429, message="quota exceeded", headers={"x-retry-delay": delay})
+
+
+@pytest.mark.parametrize(("delay", "attempts"), [("30s", 1), ("0.300s", MAX_ATTEMPTS)], ids=["over-the-cap", "within"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_geminis_retry_info_is_the_wait_the_upstream_asked_for(delay: str, attempts: int, stream: bool) -> None:
+    """A wait over ``RETRY_AFTER_CAP`` (1 s here) is the client's: the 429 goes to it at once, with its
+    ``RetryInfo``, as one with ``Retry-After: 30`` does; a shorter one is waited (the backoff alone is
+    at most 0.02 s), then retried."""
+    with gemini_serving(retry_after_cap=1.0) as served:
+        path = STREAM if stream else GENERATE
+        served.upstream.fail(path, _retry_info(delay), times=None)
+        client = gemini(served)
+        started = time.monotonic()
+        error = raised(
+            lambda: streamed(client) if stream else client.models.generate_content(model=MODEL, contents="x")
+        )
+        waited = time.monotonic() - started
+        assert (type(error), error.code, error.status) == (errors.ClientError, 429, "RESOURCE_EXHAUSTED")
+        assert error.details["error"]["details"][0]["retryDelay"] == delay
+        assert served.upstream.seen(path).requests == attempts
+        assert waited >= (0.3 if attempts > 1 else 0.0)
+        served.wait_idle()
+
+
 def test_a_first_unavailable_event_is_reissued_and_the_sdk_sees_only_the_second_answer() -> None:
     with gemini_serving() as served:
         served.upstream.fail(STREAM, Fault(error_after=0, code="UNAVAILABLE"))
@@ -367,6 +395,14 @@ def _slow_body(served: Served) -> errors.APIError:
     return _sdk_parse(_raw_exchange(served.url, head.encode() + b'{"contents"'))
 
 
+def _outside_paths(served: Served) -> errors.APIError:
+    """An API version the gateway does not serve (``PATHS`` has ``/v1beta/`` only)."""
+    http = types.HttpOptions(base_url=served.url, api_version="v1alpha")
+    client = genai.Client(api_key="gateway-key", http_options=http)
+    served.clients.append(client)
+    return raised(lambda: client.models.generate_content(model=MODEL, contents="x"))
+
+
 def _shed(served: Served) -> errors.APIError:
     served.upstream.fail(GENERATE, Fault(hold=1.0))  # the holder keeps the only slot for a second
     holder = threading.Thread(target=lambda: gemini(served).models.generate_content(model=MODEL, contents="x"))
@@ -385,6 +421,7 @@ GATEWAY_ERRORS: dict[str, tuple[Callable[[Served], errors.APIError], type[errors
     "400 invalid_json": (_invalid_json, errors.ClientError, 400, "INVALID_ARGUMENT", "invalid_json"),
     "400 invalid_path": (_invalid_path, errors.ClientError, 400, "INVALID_ARGUMENT", "invalid_path"),
     "408": (_slow_body, errors.ClientError, 408, "DEADLINE_EXCEEDED", "request_timeout"),
+    "404 outside PATHS": (_outside_paths, errors.ClientError, 404, "NOT_FOUND", "not_found"),
     "503 overloaded": (_shed, errors.ServerError, 503, "UNAVAILABLE", "overloaded"),
 }
 
