@@ -441,9 +441,12 @@ def test_the_gateways_own_errors_are_the_sdks_errors(name: str, caplog: pytest.L
 # --- keys -----------------------------------------------------------------------------------------
 
 
-def test_a_clients_key_in_the_query_never_reaches_the_upstream_nor_the_logs(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "pass-through"])
+def test_a_clients_key_in_the_query_is_never_logged(keyed: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Keyed, the client's ``?key=`` is dropped (the upstream gets our key only); passed through, it is
+    the client's own credential and goes upstream as sent. Neither logs nor ``/metrics`` show it."""
     caplog.set_level(logging.DEBUG)
-    with gemini_serving(**KEYED) as served:
+    with gemini_serving(**(KEYED if keyed else {})) as served:
         response = httpx.post(
             f"{served.url}{STREAM}?alt=sse&key={SECRET}",
             json={"contents": []},
@@ -451,9 +454,11 @@ def test_a_clients_key_in_the_query_never_reaches_the_upstream_nor_the_logs(capl
         )
         assert response.status_code == 200 and SECRET not in response.text
         seen = served.upstream.seen(STREAM)
-        assert seen.queries == ["alt=sse"] and seen.headers[0]["x-goog-api-key"] == "sk-upstream"
+        assert seen.queries == (["alt=sse"] if keyed else [f"alt=sse&key={SECRET}"])
+        assert seen.headers[0]["x-goog-api-key"] == ("sk-upstream" if keyed else "gateway-key")
         served.wait_idle()
         metrics = httpx.get(f"{served.url}/metrics").text
+    assert "asgi_lifetime.access" in {record.name for record in caplog.records}  # the check saw the access log
     assert SECRET not in logged(caplog) and SECRET not in metrics
 
 
