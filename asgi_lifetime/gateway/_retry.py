@@ -16,7 +16,6 @@ response: a frame suspended in a backoff sleep keeps nothing of the input alive 
 from __future__ import annotations
 
 import email.utils
-import json
 import math
 import re
 import time
@@ -25,6 +24,7 @@ from datetime import timezone
 
 import httpx
 
+from .._json import loads
 from .._settings import LifetimeSettings
 
 __all__ = ["RETRY_STATUSES", "Retry", "asked_wait", "body_wait", "resend_safe", "says_no_retry"]
@@ -167,8 +167,8 @@ def body_wait(body: bytes) -> float | None:
     if b"RetryInfo" not in body:  # the common case: nothing to parse
         return None
     try:
-        details = json.loads(body)["error"]["details"]
-    except (ValueError, TypeError, KeyError):
+        details = loads(body)["error"]["details"]
+    except (ValueError, TypeError, KeyError):  # not JSON (JSONDecodeFailure is a ValueError), not Google's
         return None
     for detail in details if isinstance(details, list) else ():
         if isinstance(detail, dict) and str(detail.get("@type", "")).endswith("google.rpc.RetryInfo"):

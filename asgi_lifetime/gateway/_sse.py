@@ -95,6 +95,7 @@ DIALECTS: dict[ErrorShape, Dialect] = {
     # hold and stop matching at anything else. Gemini's own errors come as ``data: {"error": ...}``.
     "gemini": Dialect(None, None, None),
 }
+
 # The most of one line (in bytes on the wire), or of one event's data (in bytes in memory), that is
 # kept; a larger event is dispatched without its data (``SSEEvent.oversized``).
 MAX_BUFFER = 1024 * 1024
