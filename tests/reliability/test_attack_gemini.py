@@ -306,6 +306,9 @@ def test_an_error_after_content_is_the_upstreams_error_and_is_not_resent() -> No
         served.wait_idle()
 
 
+STALLING: dict[str, Any] = {"stall_timeout": 0.5, "keepalive_interval": 0.05}  # keep-alives were due ten times
+
+
 # The gateway's own in-band errors: before, it wrote ``event: error`` and ``: keep-alive`` lines, which
 # google-genai takes for JSON and fails the stream on (``UnknownApiResponseError``), whatever happened.
 @pytest.mark.parametrize(
@@ -313,26 +316,37 @@ def test_an_error_after_content_is_the_upstreams_error_and_is_not_resent() -> No
     [
         (Fault(cut_after=3, half=True), {}, 502, "INTERNAL", "bad_gateway"),
         (Fault(cut_after=3), {}, 502, "INTERNAL", "bad_gateway"),
-        (
-            Fault(stall_after=3),
-            {"stall_timeout": 0.5, "keepalive_interval": 0.05},
-            504,
-            "DEADLINE_EXCEEDED",
-            "upstream_stalled",
-        ),
+        (Fault(cut_after=0), {}, 502, "INTERNAL", "bad_gateway"),
+        (Fault(stall_after=3), STALLING, 504, "DEADLINE_EXCEEDED", "upstream_stalled"),
+        (Fault(stall_after=0), STALLING, 504, "DEADLINE_EXCEEDED", "upstream_stalled"),
     ],
-    ids=["cut-mid-event", "cut-between-events", "stalled"],
+    ids=["cut-mid-event", "cut-between-events", "cut-before-any-event", "stalled", "stalled-before-any-event"],
 )
 def test_a_stream_the_upstream_breaks_ends_with_a_server_error_after_the_chunks_it_sent(
     fault: Fault, settings: dict[str, Any], code: int, status: str, reason: str
 ) -> None:
+    sent = fault.cut_after if fault.cut_after is not None else fault.stall_after
     with gemini_serving(**settings) as served:
         served.upstream.fail(STREAM, fault)
         chunks: list[types.GenerateContentResponse] = []
         stream = gemini(served).models.generate_content_stream(model=MODEL, contents="hello")
         gateway_error(raised(lambda: chunks.extend(stream)), errors.ServerError, code, status, reason)
-        assert [chunk.text for chunk in chunks] == up.WORDS[:3]
-        once(served, STREAM)
+        assert [chunk.text for chunk in chunks] == up.WORDS[:sent]
+        once(served, STREAM)  # the upstream may have generated it: not sent again
+        served.wait_idle()
+
+
+def test_a_transient_first_event_every_time_is_reissued_once_then_the_upstreams_error() -> None:
+    with gemini_serving() as served:
+        served.upstream.fail(STREAM, Fault(error_after=0, code="INTERNAL", message="internal"), times=None)
+        error = raised(lambda: streamed(gemini(served)))
+        assert (type(error), error.code, error.status, error.message) == (
+            errors.ServerError,
+            500,
+            "INTERNAL",
+            "internal",
+        )
+        assert served.upstream.seen(STREAM).requests == 2
         served.wait_idle()
 
 
