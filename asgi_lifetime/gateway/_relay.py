@@ -22,6 +22,8 @@ Guards, for ``text/event-stream`` without a ``content-encoding`` (an *in-band* s
 - keep-alive comments while the upstream is quiet, an ``event: error`` when it stalls or
   breaks, or ends in the middle of an event (``bad_gateway``; for a recognised format that
   already sent its terminal event the unfinished tail is only dropped, the answer is whole);
+  each in the dialect of the client's SDK (``_sse.DIALECTS``: a Gemini client gets no keep-alive,
+  and the error as a data-only event);
 - starvation, judged only for formats ``SSETracker`` recognises (OpenAI chat completions,
   OpenAI Responses, Anthropic Messages, Gemini): a stream that ends without a terminal
   event, or with nothing to show for it (see ``SSETracker.starved``), ends with an
