@@ -22,6 +22,8 @@ Guards, for ``text/event-stream`` without a ``content-encoding`` (an *in-band* s
 - keep-alive comments while the upstream is quiet, an ``event: error`` when it stalls or
   breaks, or ends in the middle of an event (``bad_gateway``; for a recognised format that
   already sent its terminal event the unfinished tail is only dropped, the answer is whole);
+  each in the dialect of the client's SDK (``_sse.DIALECTS``: a Gemini client gets no keep-alive,
+  and the error as a data-only event);
 - starvation, judged only for formats ``SSETracker`` recognises (OpenAI chat completions,
   OpenAI Responses, Anthropic Messages, Gemini): a stream that ends without a terminal
   event, or with nothing to show for it (see ``SSETracker.starved``), ends with an
@@ -73,7 +75,7 @@ from .._settings import check_argument, positive
 from .._stats import Counters
 from ._bookkeeping import Ending
 from ._shutdown import StopSignal
-from ._sse import BOM, KEEPALIVE, KEEPALIVE_LINE, MAX_BUFFER, SSETracker, sse_event
+from ._sse import BOM, DIALECTS, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
 __all__ = ["EVENT_HOLD_LIMIT", "HOP_BY_HOP", "ClientWatch", "RelayResult", "filter_headers", "relay"]
@@ -207,6 +209,7 @@ class _Relay:
         self.send = send
         self.stop = stop
         self.error_shape: ErrorShape = error_shape
+        self.dialect = DIALECTS[error_shape]  # what the gateway may add to the client's stream
         self.stop_scope = anyio.CancelScope()
         self.stall_timeout = stall_timeout
         self.keepalive_interval = keepalive_interval
@@ -321,9 +324,11 @@ class _Relay:
             # Checked under the lock: the main task sends under it too. Only whole events were
             # sent, so the client is between events unless one is streaming through.
             if self.waiting and not self.passthrough:
-                self.lf_dropped = self.lf_dropped or self.cr_last
-                await self._send_body(KEEPALIVE_LINE if self._holds_id() else KEEPALIVE)
-                return True
+                keepalive = self.dialect.keepalive_after_id if self._holds_id() else self.dialect.keepalive
+                if keepalive is not None:  # a dialect without keep-alives: the client hears nothing
+                    self.lf_dropped = self.lf_dropped or self.cr_last
+                    await self._send_body(keepalive)
+                    return True
         return False
 
     def _holds_id(self) -> bool:
@@ -649,7 +654,9 @@ class _Relay:
                     EVENT_HOLD_LIMIT,
                 )
             elif self.inband:
-                await self._send_body(sse_event("error", exc.to_dict(self.error_shape)), more_body=False)
+                await self._send_body(
+                    sse_event(self.dialect.error_event, exc.to_dict(self.error_shape)), more_body=False
+                )
             elif self.declared is not None and self.bytes_out >= self.declared:
                 await self._send_body(b"", more_body=False)  # everything promised was sent
             else:

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import email.utils
 import math
+import re
 import time
 from dataclasses import dataclass, replace
 from datetime import timezone
 
 import httpx
 
+from .._json import loads
 from .._settings import LifetimeSettings
 
-__all__ = ["RETRY_STATUSES", "Retry", "asked_wait", "resend_safe", "says_no_retry"]
+__all__ = ["RETRY_STATUSES", "Retry", "asked_wait", "body_wait", "resend_safe", "says_no_retry"]
 
 # 529 is Anthropic's overloaded_error: its 503.
 RETRY_STATUSES = frozenset({429, 502, 503, 504, 529})
@@ -153,6 +155,27 @@ def asked_wait(headers: httpx.Headers) -> float | None:
             if math.isfinite(value):
                 return max(0.0, value)
     return retry_after(headers.get("retry-after"))
+
+
+# A protobuf Duration in JSON: decimal seconds and an "s" ("37s", "0.500s").
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)s\s*")
+
+
+def body_wait(body: bytes) -> float | None:
+    """The wait an error body asks for: Google's APIs (Gemini, Vertex AI) send no ``Retry-After`` with
+    their 429, and put the wait in ``error.details[]`` as a ``google.rpc.RetryInfo`` (``retryDelay``)."""
+    if b"RetryInfo" not in body:  # the common case: nothing to parse
+        return None
+    try:
+        details = loads(body)["error"]["details"]
+    except (ValueError, TypeError, KeyError):  # not JSON (JSONDecodeFailure is a ValueError), not Google's
+        return None
+    for detail in details if isinstance(details, list) else ():
+        if isinstance(detail, dict) and str(detail.get("@type", "")).endswith("google.rpc.RetryInfo"):
+            match = _DURATION.fullmatch(str(detail.get("retryDelay", "")))
+            if match is not None:
+                return float(match[1])
+    return None
 
 
 def says_no_retry(headers: httpx.Headers) -> bool:

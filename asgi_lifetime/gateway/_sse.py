@@ -44,16 +44,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._exceptions import ErrorShape
 from .._json import JSONDecodeFailure, dumps, loads
 from .._parse import too_costly
 from .._settings import at_least_one, check_argument
 
 __all__ = [
     "BOM",
+    "DIALECTS",
     "FORMATS",
     "KEEPALIVE",
     "KEEPALIVE_LINE",
     "MAX_BUFFER",
+    "Dialect",
     "EventClass",
     "SSEEvent",
     "SSEParser",
@@ -70,6 +73,29 @@ KEEPALIVE = b": keep-alive\n\n"
 # The openai and anthropic SDKs dispatch an empty event at a blank line once they hold a last
 # event id (kept across events, as the spec says) and fail to parse its empty data.
 KEEPALIVE_LINE = b": keep-alive\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What the gateway itself may write into a client's event stream, by the SDK the client speaks
+    (its error shape, ``error_shape()``): its keep-alives (``None``: none) and its error event's name
+    (``None``: a data-only event)."""
+
+    keepalive: bytes | None
+    keepalive_after_id: bytes | None
+    error_event: str | None
+
+
+DIALECTS: dict[ErrorShape, Dialect] = {
+    "openai": Dialect(KEEPALIVE, KEEPALIVE_LINE, "error"),
+    "anthropic": Dialect(KEEPALIVE, KEEPALIVE_LINE, "error"),
+    # Google's SDKs read a stream's ``data:`` lines only: google-genai takes any other line (a
+    # comment, ``event: error``) for a JSON document and fails the stream with
+    # ``UnknownApiResponseError``; the JS and Dart SDKs match ``^data: `` at the start of what they
+    # hold and stop matching at anything else. Gemini's own errors come as ``data: {"error": ...}``.
+    "gemini": Dialect(None, None, None),
+}
+
 # The most of one line (in bytes on the wire), or of one event's data (in bytes in memory), that is
 # kept; a larger event is dispatched without its data (``SSEEvent.oversized``).
 MAX_BUFFER = 1024 * 1024
@@ -908,9 +934,10 @@ class SSETracker:
             self.error_transient = kind.transient
 
 
-def sse_event(event: str, data: Mapping[str, Any]) -> bytes:
-    """Serialize one named SSE event whose ``data`` is ``data`` as compact JSON."""
-    if _TEXT_LINE_END.search(event):
+def sse_event(event: str | None, data: Mapping[str, Any]) -> bytes:
+    """Serialize one SSE event whose ``data`` is ``data`` as compact JSON, named ``event`` unless it is None."""
+    if event is not None and _TEXT_LINE_END.search(event):
         raise ValueError(f"event={event!r} is invalid: an event name cannot contain a line break")
     lines = _TEXT_LINE_END.split(dumps(data).decode())
-    return f"event: {event}\n".encode() + "".join(f"data: {line}\n" for line in lines).encode() + b"\n"
+    name = b"" if event is None else f"event: {event}\n".encode()
+    return name + "".join(f"data: {line}\n" for line in lines).encode() + b"\n"

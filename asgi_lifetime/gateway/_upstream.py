@@ -39,7 +39,7 @@ from ._error_body import ErrorBody, read_error_body, replay
 from ._pool import UpstreamPool
 from ._prepare import Prepared, Spliced
 from ._refold import match_overflow, match_rejected_role
-from ._retry import Retry, asked_wait, resend_safe, says_no_retry
+from ._retry import Retry, asked_wait, body_wait, resend_safe, says_no_retry
 from ._spill import SLICE, SpilledBody
 from ._transport import UpstreamTransport
 
@@ -536,7 +536,14 @@ class UpstreamClient:
     async def _after_status(self, retry: Retry, response: httpx.Response, base: str) -> httpx.Response | Retry:
         """A busy or failing upstream's status: wait and go on (another upstream first), or hand it back."""
         asked = asked_wait(response.headers)
-        if retry.answer_stands(base, asked=asked, no_retry=says_no_retry(response.headers)):
+        no_retry = says_no_retry(response.headers)
+        if asked is None and not no_retry:
+            # No header: the wait may be in the body (Google's RetryInfo). Read as a relayed error is
+            # (bounded, scrubbed); the answer handed back is then the read copy.
+            error_body = await self._read_error(response)
+            response = replay(response, error_body, self._scrubber, limit=self._settings.error_body_limit)
+            asked = body_wait(error_body.data) if error_body.decoded else None
+        if retry.answer_stands(base, asked=asked, no_retry=no_retry):
             # The upstream said whether or when to ask again: its answer goes to the client as it
             # is (the SDKs honour both headers).
             return response

@@ -10,9 +10,14 @@ Served with uvicorn on loopback (``serve_in_thread(upstream.app)``), it answers:
 - ``POST /v1/images/generations`` with ``stream``: ``image_generation.partial_image`` / ``.completed``;
 - ``POST /v1/audio/speech`` with ``stream_format="sse"``: ``speech.audio.delta`` / ``speech.audio.done``;
 - ``POST /v1/messages``: an Anthropic message, or message_start, content_block_start, ping,
-  content_block_delta..., content_block_stop, message_delta, message_stop.
+  content_block_delta..., content_block_stop, message_delta, message_stop;
+- ``POST /v1beta/models/<model>:generateContent``, ``:streamGenerateContent?alt=sse`` (data-only
+  events, the last with ``finishReason``), ``:countTokens``, ``:batchEmbedContents``; ``GET /v1beta/models``
+  and ``/v1beta/models/<model>``; ``POST /upload/v1beta/files`` (the resumable upload protocol):
+  Gemini's API as the ``google-genai`` SDK calls it.
 
-Errors come in each provider's shape (OpenAI ``{"error": {...}}``, Anthropic ``{"type": "error", ...}``).
+Errors come in each provider's shape (OpenAI ``{"error": {...}}``, Anthropic ``{"type": "error", ...}``,
+Gemini ``{"error": {"code", "message", "status"}}``).
 
 The upstream counts requests per path, records body sizes (never bodies) and a few request
 headers, and notices disconnects. A test scripts faults per path with ``upstream.fail(path, Fault(...))``:
@@ -51,6 +56,7 @@ AUDIO_CHUNKS = [base64.b64encode(bytes([i]) * 2400).decode() for i in range(6)]
 # Safety bound for a scripted stall (a stall normally ends when the gateway hangs up).
 STALL_BOUND = 30.0
 ANTHROPIC_PATH = "/v1/messages"
+GEMINI = "/v1beta"
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ class Fault:
     events, then go silent until the peer hangs up (bounded by ``STALL_BOUND``). ``hold``: wait this
     long before answering at all (no headers), or until the peer hangs up. ``error_after``: send this
     many events, then the provider's in-band error event (``message``, ``code``; on the Anthropic path
-    ``code`` is the error's type, ``overloaded_error`` if None), and end the stream.
+    ``code`` is the error's type, ``overloaded_error`` if None; on Gemini's its ``status``), and end the
+    stream. ``pause_after``: send this many events, then stay silent for ``pause`` seconds and go on.
     """
 
     status: int | None = None
@@ -75,6 +82,8 @@ class Fault:
     stall_after: int | None = None
     hold: float | None = None
     error_after: int | None = None
+    pause_after: int | None = None
+    pause: float = 0.0
 
 
 class _Cut(Exception):
@@ -107,6 +116,10 @@ _RECORDED = (
     "content-type",
     "accept",
     "user-agent",
+    "x-goog-api-key",
+    "x-goog-api-client",
+    "x-goog-upload-protocol",
+    "x-goog-upload-command",
 )
 
 
@@ -130,6 +143,9 @@ class ScriptedUpstream:
                 Route("/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model}", self._model, methods=["GET"]),
+                Route(f"{GEMINI}/models", self._gemini_models, methods=["GET"]),
+                Route(GEMINI + "/models/{name}", self._gemini, methods=["GET", "POST"]),
+                Route(f"/upload{GEMINI}/files", self._gemini_upload, methods=["POST"]),
             ]
         )
 
@@ -281,6 +297,39 @@ class ScriptedUpstream:
         model = request.path_params["model"]
         return JSONResponse({"id": model, "object": "model", "created": CREATED, "owned_by": "scripted"})
 
+    async def _gemini_models(self, request: Request) -> Response:
+        await self._start(request)
+        return JSONResponse({"models": [gemini_model("gemini-test")]})
+
+    async def _gemini(self, request: Request) -> Response:
+        """``models/<model>`` (GET) and ``models/<model>:<method>`` (POST)."""
+        model, _, method = request.path_params["name"].partition(":")
+        body, fault = await self._start(request)
+        if fault is not None and fault.status is not None:
+            return gemini_error(fault)
+        if request.method == "GET":
+            return JSONResponse(gemini_model(model))
+        if method == "countTokens":
+            return JSONResponse({"totalTokens": 11})
+        if method == "batchEmbedContents":
+            return JSONResponse({"embeddings": [{"values": EMBEDDING} for _ in body.get("requests", [])]})
+        if method == "streamGenerateContent":
+            return self._stream(request, gemini_chunks(model), fault)
+        self._count(request.url.path, "completed")
+        return JSONResponse(gemini_response(model))
+
+    async def _gemini_upload(self, request: Request) -> Response:
+        """The resumable upload protocol: ``start`` answers where the bytes go (``x-goog-upload-url``,
+        here this upstream itself, as Google names its own host); ``upload, finalize`` takes them."""
+        body = await request.body()
+        self._arrived(request, len(body))
+        if request.headers.get("x-goog-upload-command") == "start":
+            where = f"{request.base_url}upload{GEMINI}/files?upload_id=scripted"
+            headers = {"x-goog-upload-url": where, "x-goog-upload-status": "active"}
+            return Response(b"", headers=headers)
+        file = {"name": "files/scripted", "sizeBytes": str(len(body)), "state": "ACTIVE", "mimeType": "text/plain"}
+        return JSONResponse({"file": file}, headers={"x-goog-upload-status": "final"})
+
     def _stream(self, request: Request, events: list[tuple[str | None, Any]], fault: Fault | None) -> Response:
         return _ScriptedStream(self, request.url.path, events, fault, self.delay)
 
@@ -341,6 +390,8 @@ class _ScriptedStream(Response):
             if fault.stall_after == index:
                 await anyio.sleep(STALL_BOUND)
                 return
+            if fault.pause_after == index:
+                await anyio.sleep(fault.pause)
             await send({"type": "http.response.body", "body": frame, "more_body": True})
             if self.delay:
                 await anyio.sleep(self.delay)
@@ -390,8 +441,30 @@ def anthropic_error(fault: Fault) -> Response:
     return JSONResponse(body, status_code=status, headers={"request-id": "req_scripted", **fault.headers})
 
 
+_GOOGLE_STATUSES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND"}
+_GOOGLE_STATUSES |= {429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def gemini_error_object(status: int, fault: Fault) -> dict[str, Any]:
+    """Google's error object; ``fault.code`` is its ``status`` when given (``UNAVAILABLE``...)."""
+    return {"code": status, "message": fault.message, "status": fault.code or _GOOGLE_STATUSES.get(status, "UNKNOWN")}
+
+
+def gemini_error(fault: Fault) -> Response:
+    """Google's error body; a ``x-retry-delay`` in ``fault.headers`` goes in it as ``google.rpc.RetryInfo``
+    (Google sends the wait there, with no ``Retry-After``), not as a header."""
+    status = fault.status or 500
+    headers = dict(fault.headers)
+    error = gemini_error_object(status, fault)
+    if (delay := headers.pop("x-retry-delay", None)) is not None:
+        error["details"] = [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay}]
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
+
+
 def error_event(path: str, fault: Fault) -> tuple[str | None, Any]:
     """The in-band error each API sends when a stream fails after it started."""
+    if path.startswith(GEMINI):  # a data-only event, as Google sends it
+        return None, {"error": gemini_error_object(503 if fault.code in (None, "UNAVAILABLE") else 500, fault)}
     if path == ANTHROPIC_PATH:
         return "error", {"type": "error", "error": {"type": fault.code or "overloaded_error", "message": fault.message}}
     if path == "/v1/responses":
@@ -638,4 +711,47 @@ def anthropic_events(model: str) -> list[tuple[str | None, Any]]:
         ),
         ("message_stop", {"type": "message_stop"}),
     ]
+    return events
+
+
+# --- Gemini ------------------------------------------------------------------------------------------
+
+
+EMBEDDING = [0.25, -0.5, 0.125]
+
+
+def gemini_model(model: str) -> dict[str, Any]:
+    return {
+        "name": f"models/{model}",
+        "displayName": "Gemini (scripted)",
+        "inputTokenLimit": 1_048_576,
+        "outputTokenLimit": 8192,
+        "supportedGenerationMethods": ["generateContent", "countTokens"],
+    }
+
+
+def _gemini_usage(output: int) -> dict[str, int]:
+    return {"promptTokenCount": 9, "candidatesTokenCount": output, "totalTokenCount": 9 + output}
+
+
+def gemini_response(model: str) -> dict[str, Any]:
+    candidate = {"content": {"parts": [{"text": TEXT}], "role": "model"}, "finishReason": "STOP", "index": 0}
+    return {
+        "candidates": [candidate],
+        "usageMetadata": _gemini_usage(len(WORDS)),
+        "modelVersion": model,
+        "responseId": "resp_scripted",
+    }
+
+
+def gemini_chunks(model: str) -> list[tuple[str | None, Any]]:
+    """streamGenerateContent?alt=sse: one GenerateContentResponse per word, the last with ``finishReason``."""
+    events: list[tuple[str | None, Any]] = []
+    for index, word in enumerate(WORDS):
+        candidate: dict[str, Any] = {"content": {"parts": [{"text": word}], "role": "model"}, "index": 0}
+        last = index == len(WORDS) - 1
+        if last:
+            candidate["finishReason"] = "STOP"
+        chunk = {"candidates": [candidate], "usageMetadata": _gemini_usage(index + 1), "modelVersion": model}
+        events.append((None, {**chunk, "responseId": "resp_scripted"}))
     return events

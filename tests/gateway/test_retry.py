@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import email.utils
 import gc
+import json
 import time
 from typing import Any
 
@@ -20,7 +21,15 @@ import respx
 import asgi_lifetime
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway._prepare import Prepared
-from asgi_lifetime.gateway._retry import RETRY_STATUSES, Retry, asked_wait, resend_safe, retry_after, says_no_retry
+from asgi_lifetime.gateway._retry import (
+    RETRY_STATUSES,
+    Retry,
+    asked_wait,
+    body_wait,
+    resend_safe,
+    retry_after,
+    says_no_retry,
+)
 
 from .test_upstream import (
     BASE,
@@ -347,6 +356,41 @@ def test_role_ladder(rejected: str, tried: set[str], target: str | None) -> None
 )
 def test_asked_wait(headers: dict[str, str], wait: float | None) -> None:
     assert asked_wait(httpx.Headers(headers)) == wait
+
+
+_RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
+
+
+def _google(*details: object) -> bytes:
+    return json.dumps({"error": {"code": 429, "status": "RESOURCE_EXHAUSTED", "details": list(details)}}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "wait"),
+    [
+        (_google({"@type": _RETRY_INFO, "retryDelay": "37s"}), 37.0),
+        (_google({"@type": _RETRY_INFO, "retryDelay": "0.500s"}), 0.5),
+        (
+            _google(
+                {"@type": "type.googleapis.com/google.rpc.QuotaFailure"}, {"@type": _RETRY_INFO, "retryDelay": "2s"}
+            ),
+            2.0,
+        ),
+        (_google({"@type": _RETRY_INFO, "retryDelay": "soon"}), None),
+        (_google({"@type": _RETRY_INFO, "retryDelay": "-3s"}), None),
+        (_google({"@type": _RETRY_INFO}), None),
+        (_google({"@type": "RetryInfoLookalike", "retryDelay": "9s"}), None),
+        (_google(), None),
+        (b'{"error": {"message": "RetryInfo", "details": "RetryInfo"}}', None),
+        (b'{"error": "RetryInfo"}', None),
+        (b'["RetryInfo"]', None),
+        (b"RetryInfo, not JSON", None),
+        (b"", None),
+    ],
+)
+def test_body_wait(body: bytes, wait: float | None) -> None:
+    """Google's ``google.rpc.RetryInfo`` in an error body; anything else asks for nothing."""
+    assert body_wait(body) == wait
 
 
 @pytest.mark.parametrize("usegmt", [True, False])
