@@ -172,7 +172,9 @@ class Forwarder:
             if response is None:
                 return
             resources: RequestResources = scope["state"]["lifetime"].resources
-            resources.add(response.aclose)  # closed when the request settles, whatever happens below
+            # Closed when the request settles, whatever happens below. Most often the relay read it to its end
+            # and it is closed by then: its aclose() would do nothing, and awaiting it costs a shielded scope.
+            resources.add(lambda: None if response.is_closed else response.aclose())
             exchange.result = await self._relay(scope, watch, send, response, prepared, session_id)
         finally:
             # Also when every attempt failed, the client left meanwhile, or a starved stream was re-issued:

@@ -255,6 +255,10 @@ class _Relay:
         self.delivered = False  # the client has received (part of) an upstream event
         # Keep-alive bookkeeping: is the main task waiting on the upstream, and when did the client last get bytes.
         self.waiting = False
+        # The stall guard (run by the ClientWatch, see _stall_due): the scope of the response being read, and
+        # when (time.monotonic()) the upstream read under way began; None between reads.
+        self.stall: anyio.CancelScope | None = None
+        self.read_since: float | None = None
         # time.monotonic(), not anyio.current_time() (a backend lookup per send): only differences of it
         # are used, as the relative delay of anyio.sleep().
         self.last_sent = time.monotonic()
@@ -330,6 +334,22 @@ class _Relay:
                     await self._send_body(keepalive)
                     return True
         return False
+
+    def _stall_due(self) -> float:
+        """When (``time.monotonic()``) the upstream read under way stalls. Between reads, or once this read
+        was found stalled, the next read's stall is at least a whole ``stall_timeout`` away."""
+        since, stall = self.read_since, self.stall
+        if since is None or stall is None or stall.cancel_called:
+            return time.monotonic() + self.stall_timeout
+        return since + self.stall_timeout
+
+    def _cut_if_stalled(self, now: float) -> bool:
+        """Cancel the read under way if it has waited ``stall_timeout`` (``_pump`` raises ``_Stalled``)."""
+        stall = self.stall
+        if stall is None or now < self._stall_due():
+            return False
+        stall.cancel()
+        return True
 
     def _holds_id(self) -> bool:
         """The client was sent an ``id`` field: its parser keeps it, even across a re-issued response,
@@ -503,23 +523,24 @@ class _Relay:
         chunk = b""
         try:
             while True:
-                # One stall scope for the whole response, armed only while waiting for the upstream (its
-                # deadline is pushed back before each read and lifted while the chunk is sent): a scope of
-                # its own per chunk cost more than the rest of relaying that chunk.
-                stall = anyio.CancelScope()
+                # One stall scope for the whole response, cancelled by the ClientWatch when a read has waited
+                # ``stall_timeout`` (it wakes for the keep-alives anyway): a deadline pushed back before each read
+                # and lifted while the chunk is sent (a slow client is not a stalled upstream) cost a timer
+                # armed and cancelled per chunk, and a scope per read more than the rest of relaying the chunk.
+                stall = self.stall = anyio.CancelScope()
                 with stall:
                     while True:
                         if self.failing:
                             return  # an attempt that failed early is not read further (see _failed_early)
                         self.waiting = finished = True
-                        stall.deadline = anyio.current_time() + self.stall_timeout
+                        self.read_since = time.monotonic()
                         try:
                             chunk = await iterator.__anext__()
                         except StopAsyncIteration:
                             return
                         finally:
                             self.waiting = False
-                            stall.deadline = math.inf  # a slow client is not a stalled upstream
+                            self.read_since = None
                         finished = False
                         if stall.cancel_called:
                             break
@@ -527,14 +548,15 @@ class _Relay:
                         chunk = b""  # hold no chunk while waiting for the next one
                 if stall.cancelled_caught:
                     raise _Stalled
-                # The deadline passed as this chunk arrived: the deadline's cancel ran before the reading task
-                # resumed (trio's socket read ends in a shielded checkpoint; asyncio's timer may run before the
-                # task's wake-up under load). The chunk came in time, but the scope stays cancelled (a cancel
-                # cannot be undone) and would cancel its sending: it is relayed outside, and a new scope follows.
+                # The watch found the read stalled as this chunk arrived: it cancelled the scope before the reading
+                # task resumed (trio's socket read ends in a shielded checkpoint; asyncio's wake-up may come after
+                # the watch's under load). The chunk came in time, but the scope stays cancelled (a cancel cannot
+                # be undone) and would cancel its sending: it is relayed outside, and a new scope follows.
                 await self._forward(chunk)
                 chunk = b""
         finally:
             self.waiting = False
+            self.stall = None
             await stop_reading(response, iterator, finished=finished)
 
     async def _forward(self, chunk: bytes) -> None:
@@ -691,8 +713,12 @@ class ClientWatch:
     stream is attached, it also sends the relay's keep-alives (after ``keepalive_interval`` of client
     silence, when the client is between events; if it is not, it tries again one interval later).
 
+    It also guards the attached relay against a stalled upstream: when a read has waited ``stall_timeout``
+    it cancels that read (checked when it wakes, so a read that ends in time costs no timer).
+
     A disconnect once the relay handed over the response's last message changes nothing (servers report
-    one as soon as the response is complete). A ``receive()`` that fails ends the watching (logged).
+    one as soon as the response is complete). A ``receive()`` that fails ends the watching of the client
+    and the keep-alives (logged); the stall guard goes on.
 
     ```python
     async def work(watch: ClientWatch) -> RelayResult:
@@ -702,13 +728,14 @@ class ClientWatch:
     ```
     """
 
-    __slots__ = ("receive", "gone", "answered", "running", "_target", "_relay", "_waiting", "_not_before")
+    __slots__ = ("receive", "gone", "answered", "running", "_deaf", "_target", "_relay", "_waiting", "_not_before")
 
     def __init__(self, receive: Receive) -> None:
         self.receive = receive
         self.gone = False  # the client disconnected before its response was complete
         self.answered = False  # a relay it watched handed the response's last message to the server
         self.running = True  # run() has not returned
+        self._deaf = False  # receive() failed: the client is not watched any more, nor kept alive
         self._target: anyio.CancelScope | None = None
         self._relay: _Relay | None = None
         self._waiting: anyio.CancelScope | None = None
@@ -734,14 +761,14 @@ class ClientWatch:
     @contextlib.contextmanager
     def over(self, relay: _Relay | None = None) -> Iterator[anyio.CancelScope]:
         """A cancel scope the watch cancels when the client leaves (at once if it has left), watching
-        ``relay``'s keep-alives too, until the block ends."""
+        ``relay``'s stalls and keep-alives too, until the block ends."""
         cut = anyio.CancelScope()
         self._target, self._relay, self._not_before = cut, relay, -math.inf
         if self.gone:
             if relay is not None:
                 relay.disconnected = True
             cut.cancel()
-        elif relay is not None and relay.inband and self._waiting is not None:
+        elif relay is not None and self._waiting is not None:
             self._waiting.deadline = self._deadline()
         try:
             with cut:
@@ -754,13 +781,16 @@ class ClientWatch:
     async def run(self) -> None:
         try:
             while True:
-                # receive() is cancelled when a keep-alive is due: an ASGI server's receive() loses
-                # nothing by being cancelled (it waits for its next message).
+                # receive() is cancelled when a stall check or a keep-alive is due: an ASGI server's receive()
+                # loses nothing by being cancelled (it waits for its next message).
                 with anyio.CancelScope(deadline=self._deadline()) as self._waiting:
-                    if await self._disconnected():
-                        self._on_disconnect()
-                    return
-                await self._keepalive()
+                    if not self._deaf:
+                        if await self._disconnected():
+                            self._on_disconnect()
+                            return
+                        self._deaf = True
+                    await anyio.sleep_forever()  # receive() failed: only the stall guard is left to run
+                await self._wake()
         except Exception as exc:  # a keep-alive could not be sent: the relay ends with that error
             relay, target = self._relay, self._target
             if relay is not None:
@@ -772,10 +802,17 @@ class ClientWatch:
             self.running = False
 
     def _due(self) -> float:
-        """When (``time.monotonic()``) the attached relay's next keep-alive is due; never without one."""
+        """When (``time.monotonic()``) the watch has work: the attached relay's stall check or its next
+        keep-alive; never without a relay."""
         relay = self._relay
-        if relay is None or not relay.inband:
+        if relay is None:
             return math.inf
+        due = relay._stall_due()
+        if relay.inband and not self._deaf:
+            due = min(due, self._keepalive_due(relay))
+        return due
+
+    def _keepalive_due(self, relay: _Relay) -> float:
         return max(relay.last_sent + relay.keepalive_interval, self._not_before)
 
     def _deadline(self) -> float:
@@ -783,12 +820,13 @@ class ClientWatch:
         due = self._due()
         return due if due == math.inf else anyio.current_time() + max(due - time.monotonic(), 0.0)
 
-    async def _keepalive(self) -> None:
-        now = time.monotonic()
-        if now < self._due():
-            return  # the client got bytes meanwhile (or the clocks differ by a hair): wait again
+    async def _wake(self) -> None:
         relay = self._relay
-        assert relay is not None  # _due() is finite only with an in-band relay attached
+        now = time.monotonic()
+        if relay is None or relay._cut_if_stalled(now) or self._deaf or not relay.inband:
+            return
+        if now < self._keepalive_due(relay):
+            return  # the client got bytes meanwhile (or the clocks differ by a hair): wait again
         if not await relay._keepalive():
             self._not_before = now + relay.keepalive_interval
 

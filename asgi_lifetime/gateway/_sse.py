@@ -42,7 +42,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AnyStr
 
 from .._exceptions import ErrorShape
 from .._json import JSONDecodeFailure, dumps, loads
@@ -238,26 +238,36 @@ class SSEParser:
         # ``\n``-ended lines after a line end, most often one ``data`` line and a blank line.
         # Nothing is carried into it and no line in it can exceed the limit, so this is
         # ``_feed_any`` without its calls per line: ``_take`` would only slice, ``_keep`` would
-        # keep the whole tail, and ``at_boundary`` is ``not self._fields`` throughout.
+        # keep the whole tail, and ``at_boundary`` is ``not self._fields`` throughout. An ASCII
+        # chunk (most are) is decoded once, not line by line, and its characters take a byte each.
         self.boundary = -1 if self._fields else 0
         events: list[SSEEvent] = []
-        *lines, tail = chunk.split(b"\n")
+        if chunk.isascii():
+            pos = self._lines(chunk.decode("ascii").split("\n"), ":", self._text_field, events)
+        else:
+            pos = self._lines(chunk.split(b"\n"), b":", self._field, events)
+        if pos < len(chunk):
+            self._buf += memoryview(chunk)[pos:]
+            self._line_size = len(chunk) - pos
+        return events
+
+    def _lines(
+        self, lines: list[AnyStr], colon: AnyStr, field: Callable[[AnyStr], None], events: list[SSEEvent]
+    ) -> int:
+        """``feed``'s whole lines (``lines`` ends with the unfinished one, left out); the offset after the last."""
         pos = 0
-        for line in lines:
+        for line in lines[:-1]:
             pos += len(line) + 1
             if not line:
                 event = self._dispatch()
                 if event is not None:
                     events.append(event)
-            elif line[:1] != b":":
+            elif line[:1] != colon:
                 self._fields = True
-                self._field(line)
+                field(line)
             if not self._fields:
                 self.boundary = pos
-        if tail:
-            self._buf += tail
-            self._line_size = len(tail)
-        return events
+        return pos
 
     def _feed_any(self, chunk: bytes) -> list[SSEEvent]:
         """``feed`` for any chunk: every line ending, lines split across chunks or over the limit, the BOM."""
@@ -338,12 +348,17 @@ class SSEParser:
             # character of a str take 2 or 4 bytes. As for a line over the limit.
             self._too_large(line.partition(b":")[0])
             return
+        self._text_field(text, width)
+
+    def _text_field(self, text: str, width: int = 1) -> None:
+        """Read one decoded field line whose characters take ``width`` bytes each in memory (see ``_field``)."""
         name, colon, value = text.partition(":")
         if colon and value.startswith(" "):
             value = value[1:]
         if name == "data":
             self._data_size += len(value) + 1
-            self._data_width = max(self._data_width, width)
+            if width > self._data_width:
+                self._data_width = width
             if self._data_size * self._data_width > self.limit:  # what the joined data takes in memory
                 self._overflow()
             elif not self._oversized:

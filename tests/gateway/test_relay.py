@@ -467,6 +467,25 @@ async def test_stall_after_first_byte_plain_stream_is_left_unfinished() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [False, True])
+async def test_a_failed_receive_leaves_the_stall_guard_on(sse_stream: bool) -> None:
+    """The client's watch also runs the stall guard: when its receive() fails, it stops watching the
+    client and sending keep-alives, but a stalled upstream is still caught."""
+
+    class DeafClient(Client):
+        async def receive(self) -> Message:
+            raise RuntimeError("this server's receive() is broken")
+
+    stream = Upstream(ROLE, 30.0, DONE)
+    headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
+    client = DeafClient()
+    result = await run(upstream_response(stream, headers=headers), client, stall_timeout=0.3, keepalive_interval=0.05)
+    assert result.outcome == "stalled" and stream.closed
+    assert KEEPALIVE not in client.bodies  # no keep-alive once receive() failed
+    assert client.body.startswith(ROLE)
+
+
+@pytest.mark.anyio
 async def test_keepalives_do_not_reset_the_stall_timer() -> None:
     stream = Upstream(ROLE, 30.0, DONE)
     client = Client()
