@@ -670,13 +670,14 @@ def _overhead(results: dict[str, Any], add: Any) -> None:
         "- **Its own work.** Per request the gateway does what the ordinary proxy does (parse, "
         "insert, serialize, forward, relay) plus admission, the blake3 hash, the text verdict, one helper task "
         "that watches the client from forwarding to the end of the relay (it notices a disconnect during retries "
-        "or the relay and sends an event stream's keep-alives; shutdown cancels the relay's scope without a task "
-        "of its own), one stall deadline per response, the SSE tracker "
+        "or the relay, sends an event stream's keep-alives and cancels a stalled upstream read, checked when it "
+        "wakes, so no timer is armed per read; shutdown cancels the relay's scope without a task of its own), "
+        "the SSE tracker "
         "(it parses events until the stream has shown content, then only those that could end it or report an "
         "error), bookkeeping, metrics and the access log (nothing is formatted while its logger is below INFO). "
         "Under cProfile the SSE tracker, reading, hashing and judging the body, and anyio's per-request cancel "
-        "scopes (about eleven: the stall, body-read and headers deadlines, the relay's stop and disconnect scopes, "
-        "the watch's wait, a shielded release) take about a tenth of the gateway's CPU each (the tracker an "
+        "scopes (about ten: the body-read and headers deadlines, the relay's stall, stop and disconnect scopes, "
+        "the watch's wait) take about a tenth of the gateway's CPU each (the tracker an "
         "eighth; a fifth before its parser read a usual chunk with one split and one loop)."
     )
     add(
