@@ -817,8 +817,7 @@ class ClientWatch:
 
     def _deadline(self) -> float:
         """``_due()`` on anyio's clock, for a cancel scope's deadline."""
-        due = self._due()
-        return due if due == math.inf else anyio.current_time() + max(due - time.monotonic(), 0.0)
+        return _on_anyio_clock(self._due())
 
     async def _wake(self) -> None:
         relay = self._relay
@@ -827,8 +826,11 @@ class ClientWatch:
             return
         if now < self._keepalive_due(relay):
             return  # the client got bytes meanwhile (or the clocks differ by a hair): wait again
-        if not await relay._keepalive():
-            self._not_before = now + relay.keepalive_interval
+        # A client that takes nothing holds the keep-alive's send up: the read's stall is not put off by
+        # it (the send is given up when the read stalls, and the watch wakes at once to cut the read).
+        with anyio.CancelScope(deadline=_on_anyio_clock(relay._stall_due())):
+            if not await relay._keepalive():
+                self._not_before = now + relay.keepalive_interval
 
     async def _disconnected(self) -> bool:
         try:
@@ -849,6 +851,11 @@ class ClientWatch:
         self.gone = True
         if self._target is not None:
             self._target.cancel()
+
+
+def _on_anyio_clock(due: float) -> float:
+    """``due`` (``time.monotonic()``) on anyio's clock, for a cancel scope's deadline."""
+    return due if due == math.inf else anyio.current_time() + max(due - time.monotonic(), 0.0)
 
 
 async def relay(
