@@ -9,15 +9,34 @@ failed), many streams stalling at their own times, the Gemini dialect.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 
 import anyio
+import httpx
 import pytest
 from starlette.types import Message
 
-from asgi_lifetime.gateway._sse import KEEPALIVE, KEEPALIVE_LINE
+from asgi_lifetime.gateway._sse import KEEPALIVE, KEEPALIVE_LINE, SSEParser
 
-from ..gateway.test_relay import ROLE, SSE_HEADERS, Client, Upstream, run, upstream_response
+from ..gateway._raw_upstream import HOLD, raw_upstream, response
+from ..gateway.test_relay import (
+    DONE,
+    HELLO,
+    ROLE,
+    SSE_HEADERS,
+    STOP,
+    Client,
+    Reissuer,
+    Upstream,
+    run,
+    upstream_response,
+)
+from ..gateway.test_relay_first_error import chat_error
+from .test_attack_sse_fast_path import SERVERS, gateway
+from .test_attack_upstream import FIRST, SSE_HEAD, STREAM_BODY, chunk
+from .test_faults import PATH, assert_idle
 
 STALL = 0.3
 
@@ -72,3 +91,304 @@ async def test_a_keepalive_the_client_does_not_take_does_not_hold_off_the_stall(
     elapsed = time.monotonic() - started
     assert STALL <= elapsed < 3 * STALL, elapsed
     assert client.error_event()["code"] == "upstream_stalled"
+
+
+class _Timed(Client):
+    """A client that notes when its response ended, and may leave when the upstream is hung up on, or
+    fail every ``receive()`` (a server whose receive is broken)."""
+
+    def __init__(self, *, leave_on: anyio.Event | None = None, broken: bool = False) -> None:
+        super().__init__()
+        self.ended_at: float | None = None
+        self.leave_on = leave_on
+        self.broken = broken
+
+    async def send(self, message: Message) -> None:
+        await super().send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.ended_at = time.monotonic()
+
+    async def receive(self) -> Message:
+        if self.broken:
+            raise RuntimeError("receive() is broken")
+        if self.leave_on is not None:
+            await self.leave_on.wait()
+            return {"type": "http.disconnect"}
+        return await super().receive()
+
+
+class _Pulls(_Silent):
+    """Notes when the last chunk was handed to the relay."""
+
+    def __init__(self, *items: bytes | float | Exception) -> None:
+        super().__init__(*items)
+        self.last_pull = time.monotonic()
+        self.on_pull = self._note
+
+    def _note(self, pulled: int) -> None:
+        self.last_pull = time.monotonic()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("first", ["starved", "transient error"])
+@pytest.mark.parametrize("then", ["answers slowly", "stalls"])
+async def test_a_reissued_response_has_a_stall_guard_of_its_own(first: str, then: str) -> None:
+    # The first response waits half the timeout before it starves or fails; the second waits half the
+    # timeout before each chunk: the first's read time is not counted into the second's (no early cut),
+    # and the second's own silence is still cut on time.
+    half = STALL
+    stall = 2 * half
+    ending = DONE if first == "starved" else chat_error("server_error")  # DONE: nothing to show, withheld
+    second_items: list[bytes | float] = [half, ROLE + HELLO, half, STOP + DONE]
+    if then == "stalls":
+        second_items[-1] = 30.0
+    second = _Pulls(*second_items)
+    reissue = Reissuer(upstream_response(second, headers=SSE_HEADERS))
+    client = _Timed()
+    result = await run(
+        upstream_response(_Silent(half, ending), headers=SSE_HEADERS),
+        client,
+        stall_timeout=stall,
+        keepalive_interval=5.0,
+        reissue=reissue,
+    )
+    assert reissue.calls == 1 and second.closed
+    assert client.body.startswith(ROLE + HELLO)
+    if then == "answers slowly":
+        assert result.outcome == "complete" and client.body == ROLE + HELLO + STOP + DONE
+    else:
+        assert result.outcome == "stalled" and client.error_event()["code"] == "upstream_stalled"
+        assert client.ended_at is not None
+        assert stall <= client.ended_at - second.last_pull < 3 * stall
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("keepalive_interval", [0.05, 5.0])
+async def test_a_deaf_watch_still_guards_stalls(keepalive_interval: float) -> None:
+    # The server's receive() fails: the watch stops watching the client (and its keep-alives), the stall
+    # is still cut on time and reported, the upstream hung up on, the watch's task ended with the relay.
+    stream = _Pulls(ROLE, 30.0)
+    client = _Timed(broken=True)
+    result = await run(
+        upstream_response(stream, headers=SSE_HEADERS),
+        client,
+        stall_timeout=STALL,
+        keepalive_interval=keepalive_interval,
+    )
+    assert result.outcome == "stalled" and stream.closed
+    assert client.body.startswith(ROLE) and client.error_event()["code"] == "upstream_stalled"
+    assert KEEPALIVE not in client.body
+    assert client.ended_at is not None and STALL <= client.ended_at - stream.last_pull < 3 * STALL
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sse_stream", [True, False])
+async def test_a_client_leaving_as_the_stall_fires(sse_stream: bool) -> None:
+    # The client's disconnect comes as the gateway hangs up on the stalled upstream: the relay ends (the
+    # run is bounded), the upstream is closed, and nothing is left running.
+    stream = _Pulls(ROLE, 30.0)
+    client = _Timed(leave_on=stream.hung_up)
+    headers = SSE_HEADERS if sse_stream else {"content-type": "application/octet-stream"}
+    result = await run(upstream_response(stream, headers=headers), client, stall_timeout=STALL)
+    assert stream.closed
+    assert result.outcome in ("stalled", "client_disconnected")
+    assert client.body.startswith(ROLE)
+
+
+@pytest.mark.anyio
+async def test_many_streams_each_cut_at_its_own_time() -> None:
+    # 30 relays, each silent from its own moment on (0 to 0.29 s apart): each cut STALL_TIMEOUT after its
+    # own last chunk, none earlier because a neighbour stalled, none held up by the others.
+    streams = [_Pulls(ROLE, 0.01 * i, HELLO, 30.0) for i in range(30)]
+    clients = [_Timed() for _ in streams]
+    outcomes: list[str] = []
+
+    async def one(stream: _Pulls, client: _Timed) -> None:
+        result = await run(upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=STALL)
+        outcomes.append(result.outcome)
+
+    async with anyio.create_task_group() as tg:
+        for stream, client in zip(streams, clients, strict=True):
+            tg.start_soon(one, stream, client)
+    assert outcomes == ["stalled"] * 30
+    for stream, client in zip(streams, clients, strict=True):
+        assert stream.closed and client.body.startswith(ROLE + HELLO)
+        assert client.ended_at is not None
+        assert STALL <= client.ended_at - stream.last_pull < 3 * STALL, client.ended_at - stream.last_pull
+
+
+# -- end to end: the gateway under uvicorn and hypercorn (asyncio, trio) before a raw-socket upstream ----
+
+Step = bytes | str | Callable[[], bytes]
+
+
+class _Marks:
+    """Script steps that note when (``time.monotonic()``, one clock for the whole process) the upstream
+    wrote its last bytes."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def at(self, data: bytes) -> Callable[[], bytes]:
+        def step() -> bytes:
+            self.last = time.monotonic()
+            return data
+
+        return step
+
+
+def _dripped(data: bytes, pause: float, marks: _Marks) -> list[Step]:
+    """``data`` an HTTP chunk per byte, ``pause`` apart (the upstream's pace, not a synchronisation)."""
+
+    def step(byte: bytes) -> Callable[[], bytes]:
+        def later() -> bytes:
+            time.sleep(pause)
+            return marks.at(chunk(byte))()
+
+        return later
+
+    return [step(data[i : i + 1]) for i in range(len(data))]
+
+
+# What the upstream does after its head (then HOLD: silence until the gateway hangs up), and whether the
+# client has its status before the stall (then the stall is an in-band error, else a 504).
+STALLS: dict[str, tuple[bytes, list[bytes]]] = {
+    "headers, then nothing": (SSE_HEAD, []),
+    "one event, then silence between events": (SSE_HEAD, [chunk(FIRST)]),
+    "a burst, then silence inside an event": (SSE_HEAD, [chunk(FIRST * 40 + FIRST[:25])]),
+    "a JSON body's head, then nothing": (
+        response(200, b"{}", headers=(("content-type", "application/json"),))[:-2],
+        [],
+    ),
+    "half a JSON body, then silence": (
+        response(200, b'{"a": 1}', headers=(("content-type", "application/json"),))[:-8],
+        [b'{"a"'],
+    ),
+}
+
+
+async def _stream(url: str, *, headers: dict[str, str] | None = None, path: str = PATH) -> tuple[int, bytes, float]:
+    """POST a streamed chat request; the status, the raw body, and when its end came."""
+    body = bytearray()
+    async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+        try:
+            async with client.stream("POST", path, json=STREAM_BODY, headers=headers) as answer:
+                async for piece in answer.aiter_raw():
+                    body += piece
+        except httpx.RemoteProtocolError:  # a Content-Length body cut short: the connection closed
+            pass
+    return answer.status_code, bytes(body), time.monotonic()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("server", SERVERS)
+@pytest.mark.parametrize("case", list(STALLS))
+async def test_a_stall_is_cut_once_after_stall_timeout(case: str, server: str) -> None:
+    # Cut STALL_TIMEOUT after the upstream's last bytes, not earlier (the read began after them) and
+    # not much later (not at the watch's next keep-alive, not after two timeouts).
+    head, rest = STALLS[case]
+    marks = _Marks()
+    stall = 0.5
+    with (
+        raw_upstream(lambda request: [marks.at(head), *map(marks.at, rest), HOLD]) as upstream,
+        gateway(upstream.url, server, stall_timeout=stall, keepalive_interval=5.0) as (url, app),
+    ):
+        status, body, ended = await _stream(url)
+        assert upstream.released.wait(5), "the gateway did not hang up on the stalled upstream"
+        await assert_idle(app, url)
+    assert stall - 0.05 <= ended - marks.last < 3 * stall, ended - marks.last
+    assert len(upstream.requests) == 1
+    if head is SSE_HEAD and rest:
+        assert status == 200
+        sent = rest[0][rest[0].index(b"\r\n") + 2 : -2]
+        whole = sent[: sent.rindex(b"\n\n") + 2]
+        assert body.startswith(whole) and body[len(whole) :].startswith(b"event: error\n")  # no half event
+        errors = [event for event in SSEParser().feed(body) if event.event == "error"]
+        assert [json.loads(event.data)["error"]["code"] for event in errors] == ["upstream_stalled"]
+    elif head is SSE_HEAD:
+        assert status in (200, 504), status
+        assert b"upstream_stalled" in body or b"upstream_timeout" in body, body
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("server", SERVERS)
+@pytest.mark.parametrize(
+    "keepalive_interval", [1.0, 0.5, 0.1], ids=["stall<interval", "stall=interval", "stall>interval"]
+)
+async def test_keepalives_around_the_stall_timeout(keepalive_interval: float, server: str) -> None:
+    # The watch wakes for whichever is due first: the stall is cut on time whatever the keep-alive
+    # interval, keep-alives come only between events and only before the cut, none after the error.
+    stall, marks = 0.5, _Marks()
+    with (
+        raw_upstream(lambda request: [marks.at(SSE_HEAD), marks.at(chunk(FIRST)), HOLD]) as upstream,
+        gateway(upstream.url, server, stall_timeout=stall, keepalive_interval=keepalive_interval) as (url, app),
+    ):
+        status, body, ended = await _stream(url)
+        assert upstream.released.wait(5)
+        await assert_idle(app, url)
+    assert stall - 0.05 <= ended - marks.last < 3 * stall, ended - marks.last
+    assert status == 200 and body.startswith(FIRST)
+    keepalives, _, error = body[len(FIRST) :].partition(b"event: error\n")
+    assert keepalives == KEEPALIVE * (len(keepalives) // len(KEEPALIVE))
+    assert len(keepalives) // len(KEEPALIVE) <= stall / keepalive_interval + 1
+    assert error.endswith(b"\n\n") and error.count(b"\n\n") == 1 and b"upstream_stalled" in error
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("server", SERVERS)
+async def test_a_byte_just_under_every_stall_timeout_is_no_stall(server: str) -> None:
+    # Each read ends in time: no silence is STALL_TIMEOUT long, so the stream is whole, however long the
+    # event takes (documented: STALL_TIMEOUT is silence, not a deadline on progress).
+    stall, marks = 0.6, _Marks()
+    event = b"data: {}\n\n"
+    steps = [marks.at(SSE_HEAD), *_dripped(event, stall / 2, marks), marks.at(b"0\r\n\r\n")]
+    with (
+        raw_upstream(lambda request: steps) as upstream,
+        gateway(upstream.url, server, stall_timeout=stall, keepalive_interval=5.0) as (url, app),
+    ):
+        status, body, _ = await _stream(url)
+        await assert_idle(app, url)
+    assert (status, body) == (200, event)
+    assert len(upstream.requests) == 1
+
+
+GEMINI_STREAM = "/v1/models/m:streamGenerateContent?alt=sse"  # under the default paths
+GEMINI_EVENT = b'data: {"candidates":[{"content":{"parts":[{"text":"Hi"}],"role":"model"}}]}\n\n'
+CLAUDE_EVENT = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","type":"message","role":'
+    b'"assistant","content":[],"model":"m","stop_reason":null,"usage":{"input_tokens":1,"output_tokens":1}}}\n\n'
+)
+# The client's dialect (its path, or its SDK's header), the upstream's first event, and what the gateway
+# may add: its keep-alive comment, and its error event's first line.
+DIALECTS: dict[str, tuple[str, dict[str, str], bytes, bytes | None, bytes]] = {
+    "openai": (PATH, {}, FIRST, KEEPALIVE, b"event: error\n"),
+    "anthropic": ("/v1/messages", {"anthropic-version": "2023-06-01"}, CLAUDE_EVENT, KEEPALIVE, b"event: error\n"),
+    "gemini-path": (GEMINI_STREAM, {}, GEMINI_EVENT, None, b'data: {"error":'),
+    "gemini-header": (PATH, {"x-goog-api-client": "genai-py/1"}, GEMINI_EVENT, None, b'data: {"error":'),
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("server", SERVERS)
+@pytest.mark.parametrize("dialect", list(DIALECTS))
+async def test_a_stall_speaks_the_clients_dialect(dialect: str, server: str) -> None:
+    # Keep-alives were due ten times before the stall: a Gemini client gets none and one data-only error
+    # event; the others their comments and one ``event: error``.
+    path, headers, first, keepalive, error_start = DIALECTS[dialect]
+    with (
+        raw_upstream(lambda request: [SSE_HEAD, chunk(first), HOLD]) as upstream,
+        gateway(upstream.url, server, stall_timeout=0.5, keepalive_interval=0.05) as (url, app),
+    ):
+        status, body, _ = await _stream(url, headers=headers, path=path)
+        assert upstream.released.wait(5)
+        await assert_idle(app, url)
+    assert status == 200 and body.startswith(first)
+    added = body[len(first) :]
+    keepalives, _, error = added.partition(error_start)
+    if keepalive is None:
+        assert keepalives == b"" and b"\n:" not in added and not added.startswith(b":")
+    else:
+        assert keepalives and keepalives == keepalive * (len(keepalives) // len(keepalive))
+    events = SSEParser().feed(error_start + error)
+    assert len(events) == 1 and json.loads(events[0].data)["error"]
+    assert b"upstream_stalled" in error or b"DEADLINE_EXCEEDED" in error
