@@ -331,7 +331,17 @@ class _Relay:
                 keepalive = self.dialect.keepalive_after_id if self._holds_id() else self.dialect.keepalive
                 if keepalive is not None:  # a dialect without keep-alives: the client hears nothing
                     self.lf_dropped = self.lf_dropped or self.cr_last
-                    await self._send_body(keepalive)
+                    # A client that takes nothing holds this send up, and the watch with it: meanwhile the
+                    # read's stall is a deadline on its scope (lifted when the read ends: see _pump). Not a
+                    # cancel of the send: an ASGI send cut short may have written part of the comment.
+                    stall, since = self.stall, self.read_since
+                    if stall is not None and since is not None:
+                        stall.deadline = _on_anyio_clock(since + self.stall_timeout)
+                    try:
+                        await self._send_body(keepalive)
+                    finally:
+                        if stall is not None:
+                            stall.deadline = math.inf
                     return True
         return False
 
@@ -541,6 +551,8 @@ class _Relay:
                         finally:
                             self.waiting = False
                             self.read_since = None
+                            if stall.deadline != math.inf:  # armed by a keep-alive still being sent
+                                stall.deadline = math.inf  # a slow client is not a stalled upstream
                         finished = False
                         if stall.cancel_called:
                             break
@@ -826,11 +838,8 @@ class ClientWatch:
             return
         if now < self._keepalive_due(relay):
             return  # the client got bytes meanwhile (or the clocks differ by a hair): wait again
-        # A client that takes nothing holds the keep-alive's send up: the read's stall is not put off by
-        # it (the send is given up when the read stalls, and the watch wakes at once to cut the read).
-        with anyio.CancelScope(deadline=_on_anyio_clock(relay._stall_due())):
-            if not await relay._keepalive():
-                self._not_before = now + relay.keepalive_interval
+        if not await relay._keepalive():
+            self._not_before = now + relay.keepalive_interval
 
     async def _disconnected(self) -> bool:
         try:

@@ -93,6 +93,44 @@ async def test_a_keepalive_the_client_does_not_take_does_not_hold_off_the_stall(
     assert client.error_event()["code"] == "upstream_stalled"
 
 
+class _SlowToTakeAKeepalive(Client):
+    """A client that takes its first keep-alive only once the upstream delivered again, and then only after
+    ``STALL`` more: a slow client, not a stalled upstream. Notes a send cut short (servers' sends are not
+    all safe to cancel: trio's ``send_all`` may have written part of the bytes)."""
+
+    def __init__(self, delivered: anyio.Event) -> None:
+        super().__init__()
+        self.delivered = delivered
+        self.cut_short = 0
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.body" and message["body"] in (KEEPALIVE, KEEPALIVE_LINE):
+            try:
+                if not self.delivered.is_set():
+                    await self.delivered.wait()
+                    await anyio.sleep(STALL)  # the client's slowness, past the read's stall time
+            except BaseException:
+                self.cut_short += 1
+                raise
+        await super().send(message)
+
+
+@pytest.mark.anyio
+async def test_a_keepalive_held_up_while_the_upstream_delivers_is_no_stall() -> None:
+    # The read ends in time while the watch waits on the client to take a keep-alive: the relay then waits
+    # for the client (it sends under the same lock), no stall; and the keep-alive's send is not cut short.
+    delivered = anyio.Event()
+    stream = Upstream(
+        ROLE, STALL / 2, HELLO, STOP + DONE, on_pull=lambda pulled: delivered.set() if pulled == 2 else None
+    )
+    client = _SlowToTakeAKeepalive(delivered)
+    result = await run(
+        upstream_response(stream, headers=SSE_HEADERS), client, stall_timeout=STALL, keepalive_interval=0.05
+    )
+    assert result.outcome == "complete" and client.cut_short == 0
+    assert client.body.replace(KEEPALIVE, b"") == ROLE + HELLO + STOP + DONE and KEEPALIVE in client.body
+
+
 class _Timed(Client):
     """A client that notes when its response ended, and may leave when the upstream is hung up on, or
     fail every ``receive()`` (a server whose receive is broken)."""
