@@ -13,8 +13,10 @@ import json
 import time
 from collections.abc import Callable
 
+import anthropic
 import anyio
 import httpx
+import openai
 import pytest
 from starlette.types import Message
 
@@ -34,6 +36,9 @@ from ..gateway.test_relay import (
     upstream_response,
 )
 from ..gateway.test_relay_first_error import chat_error
+from ..gateway.test_sdk import CLAUDE_HELLO, SDK_TIMEOUT
+from ..gateway.test_sdk import HELLO as CHAT_HELLO
+from .test_attack_cpu_cuts import _CLAUDE_FIRST, _OAI_FIRST
 from .test_attack_sse_fast_path import SERVERS, gateway
 from .test_attack_upstream import FIRST, SSE_HEAD, STREAM_BODY, chunk
 from .test_faults import PATH, assert_idle
@@ -430,3 +435,29 @@ async def test_a_stall_speaks_the_clients_dialect(dialect: str, server: str) -> 
     events = SSEParser().feed(error_start + error)
     assert len(events) == 1 and json.loads(events[0].data)["error"]
     assert b"upstream_stalled" in error or b"DEADLINE_EXCEEDED" in error
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_the_sdks_raise_on_a_stall_as_before(sdk: str) -> None:
+    # Keep-alives due ten times over, then the stall: the SDKs skip the comments, keep the content and raise
+    # on the in-band error (their dialect kept ``: keep-alive`` and ``event: error``).
+    first = _OAI_FIRST if sdk == "openai" else _CLAUDE_FIRST
+    with (
+        raw_upstream(lambda request: [SSE_HEAD, chunk(first), HOLD]) as upstream,
+        gateway(upstream.url, "uvicorn", stall_timeout=0.5, keepalive_interval=0.05) as (url, app),
+    ):
+        text = ""
+        if sdk == "openai":
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0, timeout=SDK_TIMEOUT) as oai:
+                stream = oai.chat.completions.create(model="m", messages=CHAT_HELLO, stream=True)
+                with pytest.raises(openai.APIError, match="sent no data"):
+                    for part in stream:
+                        text += part.choices[0].delta.content or "" if part.choices else ""
+        else:
+            with anthropic.Anthropic(base_url=url, api_key="sk-ant", max_retries=0, timeout=SDK_TIMEOUT) as claude:
+                with pytest.raises(anthropic.APIStatusError, match="sent no data"):
+                    with claude.messages.stream(model="claude", max_tokens=10, messages=CLAUDE_HELLO) as messages:
+                        for piece in messages.text_stream:
+                            text += piece
+        assert text == "Hel"  # the content before the stall
+        assert upstream.released.wait(5) and len(upstream.requests) == 1
