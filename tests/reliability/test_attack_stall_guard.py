@@ -22,7 +22,7 @@ from starlette.types import Message
 
 from asgi_lifetime.gateway._sse import KEEPALIVE, KEEPALIVE_LINE, SSEParser
 
-from ..gateway._raw_upstream import HOLD, raw_upstream, response
+from ..gateway._raw_upstream import HOLD, RawRequest, Script, raw_upstream, response
 from ..gateway.test_relay import (
     DONE,
     HELLO,
@@ -461,3 +461,45 @@ def test_the_sdks_raise_on_a_stall_as_before(sdk: str) -> None:
                             text += piece
         assert text == "Hel"  # the content before the stall
         assert upstream.released.wait(5) and len(upstream.requests) == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("server", SERVERS)
+async def test_thirty_streams_through_a_server_each_cut_at_its_own_time(server: str) -> None:
+    # Each upstream response falls silent at its own moment (10 ms apart): each client gets its error
+    # STALL_TIMEOUT after its own upstream's last bytes; no stream is cut for a neighbour's silence.
+    stall, count = 0.8, 30
+    marks = {n: _Marks() for n in range(count)}
+
+    def answer(request: RawRequest) -> Script:
+        n = json.loads(request.body)["n"]
+        mark = marks[n]
+
+        def later() -> bytes:
+            time.sleep(0.01 * n)  # this upstream's own pace, well within the stall timeout
+            return mark.at(chunk(FIRST))()
+
+        return [SSE_HEAD, chunk(FIRST), later, HOLD]
+
+    ended: dict[int, float] = {}
+    bodies: dict[int, bytes] = {}
+
+    async def one(client: httpx.AsyncClient, n: int) -> None:
+        async with client.stream("POST", PATH, json={**STREAM_BODY, "n": n}) as answer:
+            bodies[n] = b"".join([piece async for piece in answer.aiter_raw()])
+        ended[n] = time.monotonic()
+
+    with (
+        raw_upstream(answer) as upstream,
+        gateway(upstream.url, server, stall_timeout=stall, keepalive_interval=5.0) as (url, app),
+    ):
+        limits = httpx.Limits(max_connections=count)
+        async with httpx.AsyncClient(base_url=url, timeout=20, limits=limits) as client:
+            async with anyio.create_task_group() as tg:
+                for n in range(count):
+                    tg.start_soon(one, client, n)
+        await assert_idle(app, url)
+    assert len(upstream.requests) == count
+    for n in range(count):
+        assert bodies[n].startswith(FIRST * 2) and b"upstream_stalled" in bodies[n], n
+        assert stall - 0.05 <= ended[n] - marks[n].last < 3 * stall, (n, ended[n] - marks[n].last)
