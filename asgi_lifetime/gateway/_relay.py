@@ -331,7 +331,17 @@ class _Relay:
                 keepalive = self.dialect.keepalive_after_id if self._holds_id() else self.dialect.keepalive
                 if keepalive is not None:  # a dialect without keep-alives: the client hears nothing
                     self.lf_dropped = self.lf_dropped or self.cr_last
-                    await self._send_body(keepalive)
+                    # A client that takes nothing holds this send up, and the watch with it: meanwhile the
+                    # read's stall is a deadline on its scope (lifted when the read ends: see _pump). Not a
+                    # cancel of the send: an ASGI send cut short may have written part of the comment.
+                    stall, since = self.stall, self.read_since
+                    if stall is not None and since is not None:
+                        stall.deadline = _on_anyio_clock(since + self.stall_timeout)
+                    try:
+                        await self._send_body(keepalive)
+                    finally:
+                        if stall is not None:
+                            stall.deadline = math.inf
                     return True
         return False
 
@@ -541,6 +551,8 @@ class _Relay:
                         finally:
                             self.waiting = False
                             self.read_since = None
+                            if stall.deadline != math.inf:  # armed by a keep-alive still being sent
+                                stall.deadline = math.inf  # a slow client is not a stalled upstream
                         finished = False
                         if stall.cancel_called:
                             break
@@ -817,8 +829,7 @@ class ClientWatch:
 
     def _deadline(self) -> float:
         """``_due()`` on anyio's clock, for a cancel scope's deadline."""
-        due = self._due()
-        return due if due == math.inf else anyio.current_time() + max(due - time.monotonic(), 0.0)
+        return _on_anyio_clock(self._due())
 
     async def _wake(self) -> None:
         relay = self._relay
@@ -849,6 +860,11 @@ class ClientWatch:
         self.gone = True
         if self._target is not None:
             self._target.cancel()
+
+
+def _on_anyio_clock(due: float) -> float:
+    """``due`` (``time.monotonic()``) on anyio's clock, for a cancel scope's deadline."""
+    return due if due == math.inf else anyio.current_time() + max(due - time.monotonic(), 0.0)
 
 
 async def relay(
