@@ -538,13 +538,13 @@ class UpstreamClient:
         """A busy or failing upstream's status: wait and go on (another upstream first), or hand it back."""
         asked = asked_wait(response.headers)
         no_retry = says_no_retry(response.headers)
-        now = self._clock()
-        if asked is None and not no_retry and retry.in_time(0.0, now):
+        if asked is None and not no_retry:
             # No header: the wait may be in the body (Google's RetryInfo). Read as a relayed error is
-            # (bounded, scrubbed), and by the retry deadline: the read is part of the attempts, and an
-            # upstream dripping its body must not hold the request past it. The answer handed back is
-            # then the read copy. (With no attempt left, the wait would change nothing: not read here.)
-            until = anyio.current_time() + retry.deadline - now
+            # (bounded, scrubbed); while another attempt could start, by the retry deadline too: the
+            # read is then part of the attempts, and an upstream dripping its body must not hold the
+            # request past it. The answer handed back is then the read copy.
+            now = self._clock()
+            until = anyio.current_time() + retry.deadline - now if retry.in_time(0.0, now) else math.inf
             error_body = await self._read_error(response, until=until)
             response = replay(response, error_body, self._scrubber, limit=self._settings.error_body_limit)
             asked = body_wait(error_body.data) if error_body.decoded else None

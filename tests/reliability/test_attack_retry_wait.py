@@ -38,13 +38,13 @@ def retry_info(delay: object) -> dict[str, object]:
     return {"@type": RETRY_INFO, "retryDelay": delay}
 
 
-def first_then_ok(first: Script) -> Callable[[RawRequest], Script]:
-    """``first`` answers the first request; every later one gets a 200."""
+def first_then_ok(first: Script, then: Script | None = None) -> Callable[[RawRequest], Script]:
+    """``first`` answers the first request; every later one gets ``then`` (a 200)."""
     seen: list[RawRequest] = []
 
     def answer(request: RawRequest) -> Script:
         seen.append(request)
-        return first if len(seen) == 1 else [OK]
+        return first if len(seen) == 1 else (then or [OK])
 
     return answer
 
@@ -222,4 +222,22 @@ async def test_a_client_gone_during_the_read_closes_the_upstream() -> None:
                 await client.post(PATH, json=CHAT, timeout=httpx.Timeout(60, read=0.5))
         assert upstream.released.wait(10.0)
         assert len(upstream.requests) == 1
+        await assert_idle(stack.app, stack.url)
+
+
+@pytest.mark.parametrize(
+    "last",
+    [error(OVER), error(b'{"error": {}}', headers=(("retry-after", "5"),))],
+    ids=["RetryInfo", "Retry-After"],
+)
+async def test_a_wait_over_the_cap_on_the_last_attempt_is_the_clients(last: Script) -> None:
+    """The last attempt's wait over the cap goes to the client unmarked, in the body as in a header
+    (its SDK waits it); a wait within the cap would be marked ``x-should-retry: false``."""
+    with (
+        raw_upstream(first_then_ok(error(WITHIN), last)) as upstream,
+        running(upstream_url=upstream.url, **SETTINGS) as stack,
+    ):
+        answer, _ = await post(stack.url)
+        assert (answer.status_code, len(upstream.requests)) == (429, 2)
+        assert "x-should-retry" not in answer.headers
         await assert_idle(stack.app, stack.url)
