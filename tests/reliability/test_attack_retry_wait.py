@@ -16,10 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from ..gateway._raw_upstream import HOLD, RawRequest, Script, chunked, raw_upstream, response
-from .test_attack_upstream import chunk
+from .test_attack_upstream import KEY, chunk
 from .test_faults import CHAT, PATH, assert_idle, running
 
 pytestmark = pytest.mark.anyio
@@ -240,4 +241,36 @@ async def test_a_wait_over_the_cap_on_the_last_attempt_is_the_clients(last: Scri
         answer, _ = await post(stack.url)
         assert (answer.status_code, len(upstream.requests)) == (429, 2)
         assert "x-should-retry" not in answer.headers
+        await assert_idle(stack.app, stack.url)
+
+
+async def test_the_relayed_body_is_scrubbed_of_the_upstream_key() -> None:
+    quoting = google(retry_info("5s"), {"echo": f"Bearer {KEY}"})
+    with (
+        raw_upstream(first_then_ok(error(quoting))) as upstream,
+        running(upstream_url=upstream.url, upstream_api_key=KEY, **SETTINGS) as stack,
+    ):
+        answer, _ = await post(stack.url)
+        assert (answer.status_code, len(upstream.requests)) == (429, 1)
+        assert KEY.encode() not in answer.content and b"[redacted]" in answer.content
+        assert answer.headers["content-length"] == str(len(answer.content))
+        await assert_idle(stack.app, stack.url)
+
+
+@pytest.mark.parametrize(("delay", "requests"), [("5s", 2), ("0s", 2)], ids=["over the cap", "within"])
+async def test_the_openai_sdk_retries_as_it_would_against_the_upstream(delay: str, requests: int) -> None:
+    """Over the cap: relayed unmarked, the SDK retries it (``max_retries=1``) as it would the upstream's
+    own, one upstream request each; within: the gateway's two attempts, then ``x-should-retry: false``
+    stops the SDK. Never more requests than the SDK alone would make."""
+    body = google(retry_info(delay))
+    with (
+        raw_upstream(lambda request: error(body)) as upstream,
+        running(upstream_url=upstream.url, **SETTINGS) as stack,
+    ):
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="k", max_retries=1, timeout=30)
+        async with client:
+            with pytest.raises(openai.RateLimitError) as caught:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert caught.value.response.content == body
+        assert len(upstream.requests) == requests
         await assert_idle(stack.app, stack.url)
