@@ -6,7 +6,8 @@ through unbounded), so every part of that is bounded:
 - **wire and decoded size**: ``ERROR_BODY_LIMIT``; gzip/deflate are inflated by
   ``BoundedDecoder`` in steps (zlib's ``max_length``), so a 254 KiB gzip bomb costs at most
   the limit plus one step, never the 256 MiB it inflates to;
-- **time**: no byte for ``STALL_TIMEOUT`` ends the read, like a stalled stream.
+- **time**: no byte for ``STALL_TIMEOUT`` ends the read, like a stalled stream; a read for a
+  retry's wait also ends at ``RETRY_DEADLINE`` (``until``), however steadily the bytes drip.
 
 What cannot be decoded here (``br``, ``zstd``, several codings, anything unknown) is kept as
 it came, ``Content-Encoding`` included, capped at the limit in raw bytes.
@@ -23,6 +24,7 @@ the gateway's own), and would lose the status the SDK maps to an error class.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -109,8 +111,11 @@ class ErrorBody:
         return self.problem is None
 
 
-async def read_error_body(response: httpx.Response, *, limit: int, stall_timeout: float) -> ErrorBody:
-    """Read up to ``limit`` bytes of ``response``'s body (decoded where we can); always closes it."""
+async def read_error_body(
+    response: httpx.Response, *, limit: int, stall_timeout: float, until: float = math.inf
+) -> ErrorBody:
+    """Read up to ``limit`` bytes of ``response``'s body (decoded where we can), by ``until`` (anyio's
+    clock) at the latest; always closes it."""
     decoder = decoder_for(response.headers.get("content-encoding"))
     captured = bytearray()
     problem: str | None = None
@@ -119,7 +124,8 @@ async def read_error_body(response: httpx.Response, *, limit: int, stall_timeout
     try:
         while True:
             ended = True  # a cancellation or error inside __anext__ ends every generator it passes
-            with anyio.move_on_after(stall_timeout) as scope:
+            wait = min(stall_timeout, until - anyio.current_time())
+            with anyio.move_on_after(wait) as scope:
                 try:
                     chunk = await iterator.__anext__()
                 except StopAsyncIteration:
@@ -127,6 +133,9 @@ async def read_error_body(response: httpx.Response, *, limit: int, stall_timeout
                 except httpx.HTTPError as exc:
                     problem = f"the upstream connection broke off ({type(exc).__name__})"
                     break
+            if scope.cancelled_caught and wait < stall_timeout:
+                problem = "the gateway's retry deadline passed while it was read"
+                break
             if scope.cancelled_caught:
                 problem = f"the upstream sent no data for {stall_timeout:g} seconds"
                 break

@@ -19,6 +19,7 @@ per attempt; the loop sends, asks it, and acts. When the loop ends, however it e
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -539,8 +540,12 @@ class UpstreamClient:
         no_retry = says_no_retry(response.headers)
         if asked is None and not no_retry:
             # No header: the wait may be in the body (Google's RetryInfo). Read as a relayed error is
-            # (bounded, scrubbed); the answer handed back is then the read copy.
-            error_body = await self._read_error(response)
+            # (bounded, scrubbed); while another attempt could start, by the retry deadline too: the
+            # read is then part of the attempts, and an upstream dripping its body must not hold the
+            # request past it. The answer handed back is then the read copy.
+            now = self._clock()
+            until = anyio.current_time() + retry.deadline - now if retry.in_time(0.0, now) else math.inf
+            error_body = await self._read_error(response, until=until)
             response = replay(response, error_body, self._scrubber, limit=self._settings.error_body_limit)
             asked = body_wait(error_body.data) if error_body.decoded else None
         if retry.answer_stands(base, asked=asked, no_retry=no_retry):
@@ -698,11 +703,13 @@ class UpstreamClient:
         """Full jitter: a wait drawn from ``[0, retry.ceiling()]`` (see ``Retry.delay``)."""
         return self._random.uniform(0, retry.ceiling())
 
-    async def _read_error(self, response: httpx.Response) -> ErrorBody:
+    async def _read_error(self, response: httpx.Response, *, until: float = math.inf) -> ErrorBody:
         """Up to ``error_body_limit`` bytes of an error body, decoded with bounds, each read bounded
-        by ``stall_timeout``; the response is closed whatever happens (see ``_error_body``)."""
+        by ``stall_timeout``, and all by ``until`` (anyio's clock); the response is closed whatever
+        happens (see ``_error_body``)."""
         settings = self._settings
-        return await read_error_body(response, limit=settings.error_body_limit, stall_timeout=settings.stall_timeout)
+        limit, stall = settings.error_body_limit, settings.stall_timeout
+        return await read_error_body(response, limit=limit, stall_timeout=stall, until=until)
 
     async def _pause(self, attempt: int, status: int | None, reason: str, delay: float) -> None:
         self._counters.retried += 1
