@@ -158,7 +158,7 @@ def asked_wait(headers: httpx.Headers) -> float | None:
 
 
 # A protobuf Duration in JSON: decimal seconds and an "s" ("37s", "0.500s").
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)s\s*")
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)s\s*")  # [0-9]: \d is any script's digits
 
 
 def body_wait(body: bytes) -> float | None:

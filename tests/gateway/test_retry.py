@@ -378,6 +378,9 @@ def _google(*details: object) -> bytes:
         ),
         (_google({"@type": _RETRY_INFO, "retryDelay": "soon"}), None),
         (_google({"@type": _RETRY_INFO, "retryDelay": "-3s"}), None),
+        # A Duration's JSON form is ASCII: other scripts' digits, which float() would read, are not one.
+        (_google({"@type": _RETRY_INFO, "retryDelay": "\u0663s"}), None),
+        (_google({"@type": _RETRY_INFO, "retryDelay": "\uff13.5s"}), None),
         (_google({"@type": _RETRY_INFO}), None),
         (_google({"@type": "RetryInfoLookalike", "retryDelay": "9s"}), None),
         (_google(), None),
