@@ -294,7 +294,12 @@ SETTINGS: dict[str, SettingSpec] = {
         SettingSpec("retry_after_cap", _parse_float, non_negative, "Largest upstream Retry-After honoured."),
         SettingSpec("connect_timeout", _parse_float, positive, "Seconds to connect to the upstream."),
         SettingSpec("headers_timeout", _parse_float, positive, "Seconds to wait for upstream response headers."),
-        SettingSpec("stall_timeout", _parse_float, positive, "Seconds of upstream silence that end a stream."),
+        SettingSpec(
+            "stall_timeout",
+            _parse_float,
+            positive,
+            "Seconds of upstream silence that end a stream, and for an error body to arrive whole.",
+        ),
         SettingSpec("keepalive_interval", _parse_float, positive, "Seconds between SSE keep-alives in silence."),
         SettingSpec(
             "retain_outbound",

@@ -6,8 +6,10 @@ through unbounded), so every part of that is bounded:
 - **wire and decoded size**: ``ERROR_BODY_LIMIT``; gzip/deflate are inflated by
   ``BoundedDecoder`` in steps (zlib's ``max_length``), so a 254 KiB gzip bomb costs at most
   the limit plus one step, never the 256 MiB it inflates to;
-- **time**: no byte for ``STALL_TIMEOUT`` ends the read, like a stalled stream; a read for a
-  retry's wait also ends at ``RETRY_DEADLINE`` (``until``), however steadily the bytes drip.
+- **time**: the whole body must arrive within ``STALL_TIMEOUT`` of the read's start, however
+  steadily its bytes drip (the client gets none of them meanwhile, so a per-read bound would let
+  an upstream dripping under it hold the client for hours); a read for a retry's wait also ends at
+  ``RETRY_DEADLINE`` (``until``).
 
 What cannot be decoded here (``br``, ``zstd``, several codings, anything unknown) is kept as
 it came, ``Content-Encoding`` included, capped at the limit in raw bytes.
@@ -114,8 +116,10 @@ class ErrorBody:
 async def read_error_body(
     response: httpx.Response, *, limit: int, stall_timeout: float, until: float = math.inf
 ) -> ErrorBody:
-    """Read up to ``limit`` bytes of ``response``'s body (decoded where we can), by ``until`` (anyio's
-    clock) at the latest; always closes it."""
+    """Read up to ``limit`` bytes of ``response``'s body (decoded where we can), within ``stall_timeout``
+    and by ``until`` (anyio's clock) at the latest; always closes it."""
+    whole_by = anyio.current_time() + stall_timeout
+    deadline = min(whole_by, until)
     decoder = decoder_for(response.headers.get("content-encoding"))
     captured = bytearray()
     problem: str | None = None
@@ -124,8 +128,7 @@ async def read_error_body(
     try:
         while True:
             ended = True  # a cancellation or error inside __anext__ ends every generator it passes
-            wait = min(stall_timeout, until - anyio.current_time())
-            with anyio.move_on_after(wait) as scope:
+            with anyio.CancelScope(deadline=deadline) as scope:
                 try:
                     chunk = await iterator.__anext__()
                 except StopAsyncIteration:
@@ -133,11 +136,11 @@ async def read_error_body(
                 except httpx.HTTPError as exc:
                     problem = f"the upstream connection broke off ({type(exc).__name__})"
                     break
-            if scope.cancelled_caught and wait < stall_timeout:
-                problem = "the gateway's retry deadline passed while it was read"
-                break
             if scope.cancelled_caught:
-                problem = f"the upstream sent no data for {stall_timeout:g} seconds"
+                if until < whole_by:
+                    problem = "the gateway's retry deadline passed while it was read"
+                else:
+                    problem = f"the upstream did not send its whole error body within {stall_timeout:g} seconds"
                 break
             ended = False
             room = limit - len(captured)

@@ -233,9 +233,70 @@ async def test_stalled_error_body_is_bounded_by_the_stall_timeout() -> None:
         await assert_idle(stack.app, stack.url)
     assert got.status_code == 400
     error = got.json()["error"]
-    assert error["code"] == "upstream_error_incomplete" and "no data for 0.5 seconds" in error["message"]
+    assert error["code"] == "upstream_error_incomplete" and "within 0.5 seconds" in error["message"]
     assert error["upstream_body"] == ERROR[:100].decode()
     assert elapsed < 10, "bounded by STALL_TIMEOUT, not HEADERS_TIMEOUT"
+
+
+class _Dripped(httpx.AsyncByteStream):
+    """A byte every ``pace`` seconds (anyio's clock), ``count`` times: never a pause of ``STALL_TIMEOUT``."""
+
+    def __init__(self, pace: float, count: int) -> None:
+        self.pace, self.count = pace, count
+        self.sent = 0
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while self.sent < self.count and not self.closed:
+            await anyio.sleep(self.pace)
+            self.sent += 1
+            yield b" "
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.anyio
+async def test_an_error_body_dripped_under_the_stall_timeout_is_bounded_by_it_as_a_whole() -> None:
+    # The client gets none of the body until it is whole: a per-read bound would let 64 KiB dripped a
+    # byte at a time under STALL_TIMEOUT hold it for days. Here 100 bytes would take 20 s.
+    stream = _Dripped(pace=0.2, count=100)
+    dripped = httpx.Response(400, stream=stream, request=httpx.Request("POST", "http://u.test/"))
+    started = anyio.current_time()
+    body = await read_error_body(dripped, limit=64 * KiB, stall_timeout=1.0)
+    elapsed = anyio.current_time() - started
+    assert body.problem == "the upstream did not send its whole error body within 1 seconds"
+    assert 1.0 <= elapsed < 5.0 and 0 < stream.sent < 100 and stream.closed
+    assert body.data == b" " * len(body.data) and len(body.data) <= stream.sent
+
+
+@pytest.mark.anyio
+async def test_a_relayed_error_body_dripped_under_the_stall_timeout_ends_at_it() -> None:
+    # The same through the gateway under uvicorn: a 400 (nothing to retry) dripped a chunk every 0.2 s,
+    # 20 s in all, STALL_TIMEOUT 1 s: the client has the status and an honest incomplete error by then.
+    head = b"HTTP/1.1 400 X\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    def piece() -> bytes:
+        time.sleep(0.2)  # the upstream's pace, in its own thread
+        return b"1\r\n \r\n"
+
+    def dripped(request: RawRequest) -> Script:
+        return [head + b"1\r\n{\r\n", *[piece] * 100]
+
+    with (
+        raw_upstream(dripped) as upstream,
+        running(upstream_url=upstream.url, stall_timeout=1.0, headers_timeout=20) as stack,
+    ):
+        started = time.monotonic()
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            got = await client.post(PATH, json={})
+        elapsed = time.monotonic() - started
+        await assert_idle(stack.app, stack.url)
+    assert got.status_code == 400 and len(upstream.requests) == 1
+    error = got.json()["error"]
+    assert error["code"] == "upstream_error_incomplete" and "within 1 seconds" in error["message"], error
+    assert error["upstream_body"].startswith("{")
+    assert elapsed < 10, "bounded by STALL_TIMEOUT as a whole, not per read (the body takes 20 s)"
 
 
 @pytest.mark.anyio

@@ -119,8 +119,9 @@ async def test_a_retry_delay_over_the_cap_is_relayed_anything_else_retried(
 
 
 async def test_an_error_body_dripped_under_the_stall_timeout_is_bounded_by_the_retry_deadline() -> None:
-    """Each read of the body waits less than ``STALL_TIMEOUT``, and the body would take a minute:
-    ``RETRY_DEADLINE`` bounds the request (the read for a wait is part of its attempts)."""
+    """Each read of the body waits less than ``STALL_TIMEOUT``, and the body would take 20 s:
+    ``RETRY_DEADLINE``, before ``STALL_TIMEOUT`` (which bounds the whole body too), bounds the request
+    (the read for a wait is part of its attempts)."""
     head = b"HTTP/1.1 429 X\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
 
     def piece() -> bytes:
@@ -132,7 +133,7 @@ async def test_an_error_body_dripped_under_the_stall_timeout_is_bounded_by_the_r
 
     with (
         raw_upstream(lambda request: dripped()) as upstream,
-        running(upstream_url=upstream.url, **{**SETTINGS, "retry_deadline": 1.5, "stall_timeout": 1.0}) as stack,
+        running(upstream_url=upstream.url, **{**SETTINGS, "retry_deadline": 1.5, "stall_timeout": 10.0}) as stack,
     ):
         answer, waited = await post(stack.url)
         assert answer.status_code == 429  # the upstream's status, an honest "incomplete" error body
