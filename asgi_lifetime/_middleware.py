@@ -177,7 +177,8 @@ class LifetimeMiddleware:
     ```
 
     Without ``settings`` it uses ``app.state.lifetime_settings`` (a ``LifetimeSettings`` or a
-    mapping) if set, else the environment (``ASGI_LIFETIME_*`` and ``.env``). Requests outside
+    mapping; a lifespan handler may set it) if set once the app's startup has run, else the
+    environment (``ASGI_LIFETIME_*`` and ``.env``). Requests outside
     ``PATHS`` and non-HTTP scopes pass through untouched. The admission slot and byte budget
     come back on every settlement path. ``handoff_parsed=True`` keeps the first parse for the
     inner app to ``take_parsed()`` (413 ``body_too_complex`` when it would cost too much).
@@ -228,7 +229,10 @@ class LifetimeMiddleware:
         return lifetime
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "lifespan"):
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._binding_after_startup(scope, send))
+            return
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         lifetime = self._bind(scope)
@@ -259,6 +263,18 @@ class LifetimeMiddleware:
                 # Paths that never sent a final body message (an error, a disconnect, a
                 # cancellation) settle here; the RequestResources's exit releases the rest.
                 await settle.settle()
+
+    def _binding_after_startup(self, scope: Scope, send: Send) -> Send:
+        # Resolve the settings once the app's startup has run, not before: a lifespan handler is
+        # where an app loads its configuration, app.state.lifetime_settings included. Bound at the
+        # start of the lifespan, the environment's defaults silently won. An invalid setting still
+        # fails the startup: the error rises into the app's lifespan, which reports it to the server.
+        async def send_bound(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                self._bind(scope)
+            await send(message)
+
+        return send_bound
 
     async def _admit_and_read(
         self, lifetime: Lifetime, scope: Scope, receive: Receive, resources: RequestResources

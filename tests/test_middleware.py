@@ -366,19 +366,40 @@ async def test_without_handoff_nothing_is_parsed_for_the_app() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("scope_type", ["lifespan", "websocket"])
-async def test_non_http_scopes_pass_through_untouched(scope_type: str) -> None:
+async def test_non_http_scopes_pass_through_untouched() -> None:
     seen: list[tuple[Scope, Receive, Send]] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         seen.append((scope, receive, send))
 
     middleware = LifetimeMiddleware(app, settings=settings())
-    scope: Scope = {"type": scope_type, "path": "/v1/ws"}
+    scope: Scope = {"type": "websocket", "path": "/v1/ws"}
     receive, send = receiving([]), Recorder()
     await middleware(scope, receive, send)
     assert seen == [(scope, receive, send)]
     assert middleware.stats().admitted == 0
+
+
+@pytest.mark.anyio
+async def test_lifespan_passes_through_and_binds_after_the_startup() -> None:
+    # The only thing the middleware does in the lifespan: resolve its settings once the app's
+    # startup has run (which may set app.state.lifetime_settings), then publish app.state.lifetime.
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.lifetime_settings = {"MAX_BODY_BYTES": "10"}
+        yield
+
+    app = Starlette(middleware=[Middleware(LifetimeMiddleware)], lifespan=lifespan)
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent = Recorder()
+
+    async def send(message: Message) -> None:
+        if message["type"] == "lifespan.startup.complete":
+            assert app.state.lifetime.settings.max_body_bytes == 10  # published before the server hears of it
+        await sent(message)
+
+    await app({"type": "lifespan", "app": app}, receiving(messages, then_block=False), send)
+    assert [m["type"] for m in sent.messages] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
 
 
 @pytest.mark.anyio
