@@ -390,7 +390,7 @@ async def test_lifespan_passes_through_and_binds_after_the_startup() -> None:
         yield
 
     app = Starlette(middleware=[Middleware(LifetimeMiddleware)], lifespan=lifespan)
-    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    messages: list[Message] = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
     sent = Recorder()
 
     async def send(message: Message) -> None:
