@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -108,24 +109,53 @@ class RequestLifetime:
             await self._parsed_hold.release()
 
 
-class _Replay:
-    """Holds the body until the inner app's first ``receive()``; then holds nothing."""
+class _ReplayedMessage(dict[str, Any]):
+    """The replayed ``http.request`` message: a dict the replay can follow weakly."""
 
-    __slots__ = ("body", "hold", "receive")
+    __slots__ = ("__weakref__",)
+
+
+class _Replay:
+    """Holds the body until the inner app's first ``receive()``, then holds nothing.
+
+    A receiver that keeps the replayed message while it waits for the next one (Starlette's
+    disconnect listener keeps it in a local for the whole stream) would keep the whole body, where
+    without the middleware it keeps one network chunk. So the message gives up its body when its
+    receiver asks for the next message, and a body the app has not taken when it starts its
+    response (it ignored it, or took the parse) is released then: a later ``receive()`` gets an
+    empty end of body (nobody waits forever for it), then the server's messages.
+    """
+
+    __slots__ = ("body", "hold", "receive", "given")
 
     def __init__(self, body: bytes, hold: Resource, receive: Receive) -> None:
         self.body: bytes | None = body
         self.hold: Resource | None = hold
         self.receive = receive
+        self.given: weakref.ref[_ReplayedMessage] | None = None
 
     async def __call__(self) -> Message:
         body, self.body = self.body, None
         if body is None:
+            given, self.given = self.given, None
+            message = given() if given is not None else None
+            if message is not None:  # still kept by the receiver asking for the next message
+                message["body"] = b""
             return await self.receive()
+        await self._release_hold()
+        message = _ReplayedMessage(type="http.request", body=body, more_body=False)
+        self.given = weakref.ref(message)
+        return message
+
+    async def response_started(self) -> None:
+        if self.body:
+            self.body = b""
+            await self._release_hold()
+
+    async def _release_hold(self) -> None:
         hold, self.hold = self.hold, None
         if hold is not None:
             await hold.release()
-        return {"type": "http.request", "body": body, "more_body": False}
 
 
 class _Settle:
@@ -136,10 +166,13 @@ class _Settle:
     so a client that reads ``/lifetime/stats`` right after its response sees the request settled.
     """
 
-    __slots__ = ("_lifetime", "_resources", "_counters", "_send", "_settled", "_counted")
+    __slots__ = ("_lifetime", "_replay", "_resources", "_counters", "_send", "_settled", "_counted")
 
-    def __init__(self, lifetime: RequestLifetime, resources: RequestResources, counters: Counters, send: Send) -> None:
+    def __init__(
+        self, lifetime: RequestLifetime, replay: _Replay, resources: RequestResources, counters: Counters, send: Send
+    ) -> None:
         self._lifetime = lifetime
+        self._replay = replay
         self._resources = resources
         self._counters = counters
         self._send = send
@@ -147,7 +180,9 @@ class _Settle:
         self._counted = False
 
     async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.body" and not message.get("more_body", False) and not self._settled:
+        if message["type"] == "http.response.start":
+            await self._replay.response_started()
+        elif message["type"] == "http.response.body" and not message.get("more_body", False) and not self._settled:
             await self.settle()
             self.count_completed()
         await self._send(message)
@@ -255,7 +290,7 @@ class LifetimeMiddleware:
                     # connection as a new request (smuggling), nor fail it for the data still coming.
                     await send_error(scope, send, exc, unread=body)
                 return
-            settle = _Settle(inner_scope["state"]["lifetime"], resources, counters, send)
+            settle = _Settle(inner_scope["state"]["lifetime"], replay, resources, counters, send)
             try:
                 await self.app(inner_scope, replay, settle.send)
                 settle.count_completed()

@@ -788,3 +788,41 @@ async def test_a_large_body_is_hashed_beside_the_look_as_received(
     assert fp == fingerprint(raw)  # its wire hash: blake3 of the decoded body; its verdict the full parse's
     assert fp.wire_hash == blake3(raw).hexdigest()
     assert middleware.stats().idle
+
+
+@pytest.mark.anyio
+async def test_the_replayed_message_keeps_its_body_until_the_next_receive() -> None:
+    # An app may keep the message across its response start (an echo): it still has the body.
+    # Asking for the next message (Starlette's disconnect listener) empties the one it kept.
+    kept: list[Message] = []
+
+    async def echo_then_listen(scope: Scope, receive: Receive, send: Send) -> None:
+        message = await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": message["body"], "more_body": True})
+        kept.append(message)
+        assert (await receive())["type"] == "http.disconnect"
+        await send({"type": "http.response.body", "body": b""})
+
+    out = Recorder()
+    middleware = LifetimeMiddleware(echo_then_listen, settings=settings())
+    await middleware(http_scope(), receiving([{"type": "http.request", "body": CHAT_BYTES}], then_block=False), out)
+    assert out.body == CHAT_BYTES
+    assert kept[0]["body"] == b""
+
+
+@pytest.mark.anyio
+async def test_a_body_not_taken_before_the_response_starts_is_released() -> None:
+    received: list[Message] = []
+
+    async def answers_first(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        assert middleware.stats().retained_input_bytes == 0  # the replayed body is released at the start
+        received.append(await receive())
+        received.append(await receive())
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = LifetimeMiddleware(answers_first, settings=settings())
+    messages: list[Message] = [{"type": "http.request", "body": CHAT_BYTES}]
+    await middleware(http_scope(), receiving(messages, then_block=False), Recorder())
+    assert received == [{"type": "http.request", "body": b"", "more_body": False}, {"type": "http.disconnect"}]

@@ -309,3 +309,37 @@ async def test_a_plain_starlette_app_with_the_middleware(lifetime_probe: Lifetim
         middleware=[Middleware(LifetimeMiddleware, settings=LifetimeSettings(paths=("/v1/",)))],
     )
     await lifetime_probe(app, path="/v1/chat/completions?stream=1")
+
+
+# --- the replay when the app answers without reading the body -----------------------------------
+
+
+def _ignores_the_body() -> FastAPI:
+    async def endpoint() -> Response:  # its input is the query, say: a body sent anyway is not read
+        return _sse(0)
+
+    return _drop_in(endpoint)
+
+
+def _takes_the_parse() -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(LifetimeMiddleware, settings=LifetimeSettings(paths=("/v1/",)), handoff_parsed=True)
+
+    @app.post("/v1/chat/completions")
+    async def endpoint(request: Request) -> Response:
+        body = request.state.lifetime.take_parsed()  # docstring's way to the parse, no second one
+        count = len(body["messages"])
+        del body
+        return _sse(count)
+
+    return app
+
+
+@pytest.mark.parametrize("build", [_ignores_the_body, _takes_the_parse])
+async def test_a_body_the_app_did_not_read_is_not_held_while_it_streams(
+    lifetime_probe: LifetimeProbe, build: Callable[[], FastAPI]
+) -> None:
+    # Starlette's disconnect listener is the first to receive() once the response has started:
+    # it got the whole replayed body (4 MiB here, up to MAX_BODY_BYTES) and kept it for the whole
+    # stream, where without the middleware it would keep one network chunk.
+    await lifetime_probe(build())
