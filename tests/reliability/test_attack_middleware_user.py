@@ -12,6 +12,14 @@ Found here:
   as a streamed response lasts (Starlette caches both on the ``Request``): the middleware's replay
   keeps nothing, Starlette does. README now says so and shows the handler that lets go; the probe
   tests below pin both.
+- an endpoint that does not read the body (it ignores it, or takes only the parse with
+  ``handoff_parsed=True``) and streams its answer: Starlette's disconnect listener received the whole
+  replayed body and kept it for the whole stream (4 MiB under the probe; without the middleware, one
+  network chunk). The replay now lets go of it at the response start and at the next ``receive()``.
+- README did not say that the default ``PATHS`` (``/v1/``) reads multipart uploads (``/v1/files``)
+  whole into memory and refuses them over ``MAX_BODY_BYTES``.
+- ``asgi_lifetime.testing``, and so the pytest plugin, could not be imported without httpx and
+  uvicorn (``[cli]``), though the probe needs the core only (tests/test_package.py).
 
 Held up (kept as tests): a declared or sent body over ``max_body_bytes``, one byte over and exactly
 at it, a gzip bomb, stacked and unknown encodings, truncated gzip, chunked bodies with extensions,
