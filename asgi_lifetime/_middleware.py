@@ -119,11 +119,11 @@ class _Replay:
     """Holds the body until the inner app's first ``receive()``, then holds nothing.
 
     A receiver that keeps the replayed message while it waits for the next one (Starlette's
-    disconnect listener keeps it in a local for the whole stream) would keep the whole body, where
-    without the middleware it keeps one network chunk. So the message gives up its body when its
-    receiver asks for the next message, and a body the app has not taken when it starts its
-    response (it ignored it, or took the parse) is released then: a later ``receive()`` gets an
-    empty end of body (nobody waits forever for it), then the server's messages.
+    disconnect listener keeps it in a local for the whole stream, when the endpoint ignored the
+    body or took the parse) would keep the whole body, where without the middleware it keeps one
+    network chunk. So the message gives up its body when its receiver asks for the next message.
+    A body nobody has asked for is kept until then, also past the response start: an app may start
+    its answer before it reads the request (an echo), and must not find an empty body.
     """
 
     __slots__ = ("body", "hold", "receive", "given")
@@ -147,11 +147,6 @@ class _Replay:
         self.given = weakref.ref(message)
         return message
 
-    async def response_started(self) -> None:
-        if self.body:
-            self.body = b""
-            await self._release_hold()
-
     async def _release_hold(self) -> None:
         hold, self.hold = self.hold, None
         if hold is not None:
@@ -166,13 +161,10 @@ class _Settle:
     so a client that reads ``/lifetime/stats`` right after its response sees the request settled.
     """
 
-    __slots__ = ("_lifetime", "_replay", "_resources", "_counters", "_send", "_settled", "_counted")
+    __slots__ = ("_lifetime", "_resources", "_counters", "_send", "_settled", "_counted")
 
-    def __init__(
-        self, lifetime: RequestLifetime, replay: _Replay, resources: RequestResources, counters: Counters, send: Send
-    ) -> None:
+    def __init__(self, lifetime: RequestLifetime, resources: RequestResources, counters: Counters, send: Send) -> None:
         self._lifetime = lifetime
-        self._replay = replay
         self._resources = resources
         self._counters = counters
         self._send = send
@@ -180,9 +172,7 @@ class _Settle:
         self._counted = False
 
     async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            await self._replay.response_started()
-        elif message["type"] == "http.response.body" and not message.get("more_body", False) and not self._settled:
+        if message["type"] == "http.response.body" and not message.get("more_body", False) and not self._settled:
             await self.settle()
             self.count_completed()
         await self._send(message)
@@ -290,7 +280,7 @@ class LifetimeMiddleware:
                     # connection as a new request (smuggling), nor fail it for the data still coming.
                     await send_error(scope, send, exc, unread=body)
                 return
-            settle = _Settle(inner_scope["state"]["lifetime"], replay, resources, counters, send)
+            settle = _Settle(inner_scope["state"]["lifetime"], resources, counters, send)
             try:
                 await self.app(inner_scope, replay, settle.send)
                 settle.count_completed()

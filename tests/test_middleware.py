@@ -812,17 +812,18 @@ async def test_the_replayed_message_keeps_its_body_until_the_next_receive() -> N
 
 
 @pytest.mark.anyio
-async def test_a_body_not_taken_before_the_response_starts_is_released() -> None:
+async def test_an_app_that_answers_before_it_reads_still_gets_the_body() -> None:
+    # Releasing an untaken body at the response start would hand such an app an empty body, silently.
     received: list[Message] = []
 
     async def answers_first(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        assert middleware.stats().retained_input_bytes == 0  # the replayed body is released at the start
         received.append(await receive())
-        received.append(await receive())
-        await send({"type": "http.response.body", "body": b""})
+        await send({"type": "http.response.body", "body": received[0]["body"]})
 
+    out = Recorder()
     middleware = LifetimeMiddleware(answers_first, settings=settings())
     messages: list[Message] = [{"type": "http.request", "body": CHAT_BYTES}]
-    await middleware(http_scope(), receiving(messages, then_block=False), Recorder())
-    assert received == [{"type": "http.request", "body": b"", "more_body": False}, {"type": "http.disconnect"}]
+    await middleware(http_scope(), receiving(messages, then_block=False), out)
+    assert out.body == CHAT_BYTES and received[0]["more_body"] is False
+    assert middleware.stats().idle

@@ -15,7 +15,7 @@ Found here:
 - an endpoint that does not read the body (it ignores it, or takes only the parse with
   ``handoff_parsed=True``) and streams its answer: Starlette's disconnect listener received the whole
   replayed body and kept it for the whole stream (4 MiB under the probe; without the middleware, one
-  network chunk). The replay now lets go of it at the response start and at the next ``receive()``.
+  network chunk). The replayed message now gives up its body at the receiver's next ``receive()``.
 - README did not say that the default ``PATHS`` (``/v1/``) reads multipart uploads (``/v1/files``)
   whole into memory and refuses them over ``MAX_BODY_BYTES``.
 - ``asgi_lifetime.testing``, and so the pytest plugin, could not be imported without httpx and

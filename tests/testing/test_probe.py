@@ -138,7 +138,7 @@ async def test_a_kept_pydantic_model_is_named_through_its_fields(anyio_backend: 
 async def test_an_endpoint_that_only_takes_the_parse_passes(anyio_backend: str) -> None:
     # With handoff_parsed=True an endpoint that only takes the parse leaves the replayed body for
     # the next receive(): Starlette's disconnect listener got it and held it in a local for the
-    # whole stream. The replay now releases a body not taken when the response starts.
+    # whole stream. The replayed message now gives up its body at the listener's next receive().
     report = await probe_retention(apps.lifetime_take_parsed(drain=False))
     assert report.ok, report
 
