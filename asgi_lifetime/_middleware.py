@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -108,24 +109,48 @@ class RequestLifetime:
             await self._parsed_hold.release()
 
 
-class _Replay:
-    """Holds the body until the inner app's first ``receive()``; then holds nothing."""
+class _ReplayedMessage(dict[str, Any]):
+    """The replayed ``http.request`` message: a dict the replay can follow weakly."""
 
-    __slots__ = ("body", "hold", "receive")
+    __slots__ = ("__weakref__",)
+
+
+class _Replay:
+    """Holds the body until the inner app's first ``receive()``, then holds nothing.
+
+    A receiver that keeps the replayed message while it waits for the next one (Starlette's
+    disconnect listener keeps it in a local for the whole stream, when the endpoint ignored the
+    body or took the parse) would keep the whole body, where without the middleware it keeps one
+    network chunk. So the message gives up its body when its receiver asks for the next message.
+    A body nobody has asked for is kept until then, also past the response start: an app may start
+    its answer before it reads the request (an echo), and must not find an empty body.
+    """
+
+    __slots__ = ("body", "hold", "receive", "given")
 
     def __init__(self, body: bytes, hold: Resource, receive: Receive) -> None:
         self.body: bytes | None = body
         self.hold: Resource | None = hold
         self.receive = receive
+        self.given: weakref.ref[_ReplayedMessage] | None = None
 
     async def __call__(self) -> Message:
         body, self.body = self.body, None
         if body is None:
+            given, self.given = self.given, None
+            message = given() if given is not None else None
+            if message is not None:  # still kept by the receiver asking for the next message
+                message["body"] = b""
             return await self.receive()
+        await self._release_hold()
+        message = _ReplayedMessage(type="http.request", body=body, more_body=False)
+        self.given = weakref.ref(message)
+        return message
+
+    async def _release_hold(self) -> None:
         hold, self.hold = self.hold, None
         if hold is not None:
             await hold.release()
-        return {"type": "http.request", "body": body, "more_body": False}
 
 
 class _Settle:
@@ -177,7 +202,8 @@ class LifetimeMiddleware:
     ```
 
     Without ``settings`` it uses ``app.state.lifetime_settings`` (a ``LifetimeSettings`` or a
-    mapping) if set, else the environment (``ASGI_LIFETIME_*`` and ``.env``). Requests outside
+    mapping; a lifespan handler may set it) if set once the app's startup has run, else the
+    environment (``ASGI_LIFETIME_*`` and ``.env``). Requests outside
     ``PATHS`` and non-HTTP scopes pass through untouched. The admission slot and byte budget
     come back on every settlement path. ``handoff_parsed=True`` keeps the first parse for the
     inner app to ``take_parsed()`` (413 ``body_too_complex`` when it would cost too much).
@@ -228,7 +254,10 @@ class LifetimeMiddleware:
         return lifetime
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "lifespan"):
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._binding_after_startup(scope, send))
+            return
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         lifetime = self._bind(scope)
@@ -259,6 +288,18 @@ class LifetimeMiddleware:
                 # Paths that never sent a final body message (an error, a disconnect, a
                 # cancellation) settle here; the RequestResources's exit releases the rest.
                 await settle.settle()
+
+    def _binding_after_startup(self, scope: Scope, send: Send) -> Send:
+        # Resolve the settings once the app's startup has run, not before: a lifespan handler is
+        # where an app loads its configuration, app.state.lifetime_settings included. Bound at the
+        # start of the lifespan, the environment's defaults silently won. An invalid setting still
+        # fails the startup: the error rises into the app's lifespan, which reports it to the server.
+        async def send_bound(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                self._bind(scope)
+            await send(message)
+
+        return send_bound
 
     async def _admit_and_read(
         self, lifetime: Lifetime, scope: Scope, receive: Receive, resources: RequestResources

@@ -366,19 +366,40 @@ async def test_without_handoff_nothing_is_parsed_for_the_app() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("scope_type", ["lifespan", "websocket"])
-async def test_non_http_scopes_pass_through_untouched(scope_type: str) -> None:
+async def test_non_http_scopes_pass_through_untouched() -> None:
     seen: list[tuple[Scope, Receive, Send]] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         seen.append((scope, receive, send))
 
     middleware = LifetimeMiddleware(app, settings=settings())
-    scope: Scope = {"type": scope_type, "path": "/v1/ws"}
+    scope: Scope = {"type": "websocket", "path": "/v1/ws"}
     receive, send = receiving([]), Recorder()
     await middleware(scope, receive, send)
     assert seen == [(scope, receive, send)]
     assert middleware.stats().admitted == 0
+
+
+@pytest.mark.anyio
+async def test_lifespan_passes_through_and_binds_after_the_startup() -> None:
+    # The only thing the middleware does in the lifespan: resolve its settings once the app's
+    # startup has run (which may set app.state.lifetime_settings), then publish app.state.lifetime.
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.lifetime_settings = {"MAX_BODY_BYTES": "10"}
+        yield
+
+    app = Starlette(middleware=[Middleware(LifetimeMiddleware)], lifespan=lifespan)
+    messages: list[Message] = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent = Recorder()
+
+    async def send(message: Message) -> None:
+        if message["type"] == "lifespan.startup.complete":
+            assert app.state.lifetime.settings.max_body_bytes == 10  # published before the server hears of it
+        await sent(message)
+
+    await app({"type": "lifespan", "app": app}, receiving(messages, then_block=False), send)
+    assert [m["type"] for m in sent.messages] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
 
 
 @pytest.mark.anyio
@@ -766,4 +787,43 @@ async def test_a_large_body_is_hashed_beside_the_look_as_received(
     assert body == raw
     assert fp == fingerprint(raw)  # its wire hash: blake3 of the decoded body; its verdict the full parse's
     assert fp.wire_hash == blake3(raw).hexdigest()
+    assert middleware.stats().idle
+
+
+@pytest.mark.anyio
+async def test_the_replayed_message_keeps_its_body_until_the_next_receive() -> None:
+    # An app may keep the message across its response start (an echo): it still has the body.
+    # Asking for the next message (Starlette's disconnect listener) empties the one it kept.
+    kept: list[Message] = []
+
+    async def echo_then_listen(scope: Scope, receive: Receive, send: Send) -> None:
+        message = await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": message["body"], "more_body": True})
+        kept.append(message)
+        assert (await receive())["type"] == "http.disconnect"
+        await send({"type": "http.response.body", "body": b""})
+
+    out = Recorder()
+    middleware = LifetimeMiddleware(echo_then_listen, settings=settings())
+    await middleware(http_scope(), receiving([{"type": "http.request", "body": CHAT_BYTES}], then_block=False), out)
+    assert out.body == CHAT_BYTES
+    assert kept[0]["body"] == b""
+
+
+@pytest.mark.anyio
+async def test_an_app_that_answers_before_it_reads_still_gets_the_body() -> None:
+    # Releasing an untaken body at the response start would hand such an app an empty body, silently.
+    received: list[Message] = []
+
+    async def answers_first(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        received.append(await receive())
+        await send({"type": "http.response.body", "body": received[0]["body"]})
+
+    out = Recorder()
+    middleware = LifetimeMiddleware(answers_first, settings=settings())
+    messages: list[Message] = [{"type": "http.request", "body": CHAT_BYTES}]
+    await middleware(http_scope(), receiving(messages, then_block=False), out)
+    assert out.body == CHAT_BYTES and received[0]["more_body"] is False
     assert middleware.stats().idle

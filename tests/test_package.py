@@ -229,7 +229,6 @@ raise SystemExit(main(["settings"]))
         ("asgi_lifetime.gateway", EXTRAS, "gateway"),
         ("asgi_lifetime.gateway", ("prometheus_client",), "gateway"),
         ("asgi_lifetime.gateway", ("httpcore", "h11"), "gateway"),
-        ("asgi_lifetime.testing", EXTRAS, "cli"),
     ],
 )
 def test_importing_a_part_without_its_extra_says_what_to_install(
@@ -252,6 +251,41 @@ except ModuleNotFoundError as exc:
     assert message.startswith(f"{module} needs {name!r}")
     assert message.endswith(f"pip install 'asgi-lifetime[{extra}]'")
     assert suppressed == "True"  # the deep import chain is not shown
+
+
+def test_the_retention_probe_and_its_plugin_run_on_the_core() -> None:
+    # docs/testing.md's probe needs anyio and starlette only: a core install (a project served by
+    # hypercorn, say, without uvicorn) runs it; the helpers that need a client or a server say
+    # what to install when they are used.
+    result = run(
+        BLOCK
+        + """
+import anyio
+import asgi_lifetime.testing.plugin
+from asgi_lifetime.testing import ProbeError, probe_retention
+
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\\n\\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+print(anyio.run(probe_retention, app).holders)
+for name in ("wait_idle", "serve_in_thread"):
+    try:
+        getattr(asgi_lifetime.testing, name)
+    except ModuleNotFoundError as exc:
+        print(exc.name, exc, exc.__suppress_context__, sep="|")
+"""
+    )
+    assert result.returncode == 0, result.stderr
+    held, idle, serve = result.stdout.strip().splitlines()
+    assert held == "()"
+    hint = "which is not installed: pip install 'asgi-lifetime[cli]'"
+    assert idle == f"httpx|asgi_lifetime.testing.wait_idle needs 'httpx', {hint}|True"
+    assert serve.startswith("uvicorn|asgi_lifetime.testing.serve_in_thread needs 'uvicorn'")
 
 
 def test_a_missing_module_outside_the_extras_is_not_blamed_on_them() -> None:

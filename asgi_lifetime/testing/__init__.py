@@ -19,28 +19,56 @@ with serve_in_thread(create_demo_upstream()) as upstream_url:
 ```
 """
 
-try:
-    from ._idle import assert_idle, held, wait_idle
-    from ._probe import (
-        Holder,
-        LifetimeProbe,
-        ProbeError,
-        RetentionReport,
-        chat_completion_body,
-        probe_retention,
-    )
-    from ._serve import serve_in_thread
-    from ._upstream import DemoStats, create_demo_upstream, parse_behaviour
-except ModuleNotFoundError as _exc:
-    # A core-only install: name the extra that brings the server and the client, not the module that missed.
-    if (_exc.name or "").partition(".")[0] not in ("uvicorn", "httpx", "httpcore", "h11"):
-        raise
-    raise ModuleNotFoundError(
-        f"asgi_lifetime.testing needs {_exc.name!r}, which is not installed: pip install 'asgi-lifetime[cli]'",
-        name=_exc.name,
-    ) from None
+import importlib as _importlib
+import typing as _typing
 
 from .._publish import publish as _publish
+from ._probe import (
+    Holder,
+    LifetimeProbe,
+    ProbeError,
+    RetentionReport,
+    chat_completion_body,
+    probe_retention,
+)
+
+if _typing.TYPE_CHECKING:
+    from ._idle import assert_idle, held, wait_idle
+    from ._serve import serve_in_thread
+    from ._upstream import DemoStats, create_demo_upstream, parse_behaviour
+
+# The retention probe (and its pytest plugin) needs the core only; these need a client or a server
+# (httpx, uvicorn), imported when first used, so a core install can run the probe.
+_WITH_CLI = {
+    "assert_idle": "_idle",
+    "held": "_idle",
+    "wait_idle": "_idle",
+    "serve_in_thread": "_serve",
+    "DemoStats": "_upstream",
+    "create_demo_upstream": "_upstream",
+    "parse_behaviour": "_upstream",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module_name = _WITH_CLI.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = _importlib.import_module(f"{__name__}.{module_name}")
+    except ModuleNotFoundError as exc:
+        # A core-only install: name the extra that brings the server and the client, not the module that missed.
+        if (exc.name or "").partition(".")[0] not in ("uvicorn", "httpx", "httpcore", "h11"):
+            raise
+        raise ModuleNotFoundError(
+            f"{__name__}.{name} needs {exc.name!r}, which is not installed: pip install 'asgi-lifetime[cli]'",
+            name=exc.name,
+        ) from None
+    value = getattr(module, name)
+    _publish({"__name__": __name__, "__all__": [name], name: value})
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DemoStats",
@@ -59,4 +87,4 @@ __all__ = [
 ]
 
 # Reprs, tracebacks, pickles and the API reference show the public path, not the private module.
-_publish(globals())
+_publish({**globals(), "__all__": [n for n in __all__ if n not in _WITH_CLI]})
