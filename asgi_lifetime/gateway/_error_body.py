@@ -43,6 +43,8 @@ __all__ = ["BoundedDecoder", "ErrorBody", "decoder_for", "read_error_body", "rep
 _STEP = 64 * 1024
 # A replayed error body is complete as relayed: framing headers are ours.
 _FRAMING = frozenset({"content-length", "transfer-encoding"})
+# What a word or a number of an error message is made of (a cut one may be the start of a longer one).
+_WORD = b"0123456789,_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 class BoundedDecoder:
@@ -111,6 +113,15 @@ class ErrorBody:
     @property
     def complete(self) -> bool:
         return self.problem is None
+
+    @property
+    def readable(self) -> bytes:
+        """The decoded text the refold and role matchers may read (nothing of an undecoded body). A body
+        cut anywhere (at the limit, by the time bound) may end inside a word or a number, the start of a
+        longer one ("of 40" of "of 4096", "developer" of "developer_v2"): that last word is dropped."""
+        if not self.decoded:
+            return b""
+        return self.data if self.complete else self.data.rstrip(_WORD)
 
 
 async def read_error_body(

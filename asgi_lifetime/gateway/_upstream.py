@@ -567,9 +567,8 @@ class UpstreamClient:
         hand back the error (read, capped and scrubbed)."""
         status = response.status_code
         error_body = await self._read_error(response)
-        captured = error_body.data if error_body.decoded else b""
         if retry.reshapes_in_time(self._clock()):
-            reshaped = self._reshape(prepared, retry, status, captured)
+            reshaped = self._reshape(prepared, retry, status, error_body.readable)
             if reshaped is not None:
                 return reshaped
         return replay(response, error_body, self._scrubber, limit=self._settings.error_body_limit)
@@ -704,8 +703,8 @@ class UpstreamClient:
         return self._random.uniform(0, retry.ceiling())
 
     async def _read_error(self, response: httpx.Response, *, until: float = math.inf) -> ErrorBody:
-        """Up to ``error_body_limit`` bytes of an error body, decoded with bounds, each read bounded
-        by ``stall_timeout``, and all by ``until`` (anyio's clock); the response is closed whatever
+        """Up to ``error_body_limit`` bytes of an error body, decoded with bounds, whole within
+        ``stall_timeout`` and by ``until`` (anyio's clock); the response is closed whatever
         happens (see ``_error_body``)."""
         settings = self._settings
         limit, stall = settings.error_body_limit, settings.stall_timeout

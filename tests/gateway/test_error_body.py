@@ -323,3 +323,18 @@ def test_incomplete_error_answer_stays_within_the_limit(text: bytes, limit: int)
     assert len(content) <= limit
     error = json.loads(content)["error"]
     assert error["upstream_body"] and text.decode("utf-8", "replace").startswith(error["upstream_body"])
+
+
+@pytest.mark.parametrize(
+    ("body", "readable"),
+    [
+        (ErrorBody(b"model length of 4096", decoded=True), b"model length of 4096"),
+        (ErrorBody(b"model length of 40", decoded=True, problem="cut"), b"model length of "),
+        (ErrorBody(b"role: developer", decoded=True, problem="cut"), b"role: "),
+        (ErrorBody(b"role: developer ", decoded=True, problem="cut"), b"role: developer "),
+        (ErrorBody(b'"of 1,000"', decoded=True, problem="cut"), b'"of 1,000"'),
+        (ErrorBody(b"\x1f\x8b\x08", decoded=False), b""),
+    ],
+)
+def test_the_matchers_read_no_last_word_of_a_cut_body(body: ErrorBody, readable: bytes) -> None:
+    assert body.readable == readable
