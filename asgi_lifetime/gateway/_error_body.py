@@ -34,6 +34,7 @@ from typing import Any
 import anyio
 import httpx
 
+from .._exceptions import error_body, error_shape
 from ._auth import KeyScrubber
 from ._transport import stop_reading
 
@@ -207,23 +208,26 @@ def _incomplete(
     response: httpx.Response, body: ErrorBody, scrubber: KeyScrubber, withheld: bool, limit: int | None
 ) -> bytes:
     status = response.status_code
-    error: dict[str, str] = {"type": "upstream_error"}
     if withheld:
         encoding = response.headers.get("content-encoding", "").strip()
-        error["code"] = "upstream_error_withheld"
-        error["message"] = (
+        code = "upstream_error_withheld"
+        message = (
             f"the upstream answered HTTP {status} with a {encoding!r}-encoded error body the gateway "
             "cannot decode, so cannot check for its upstream key; the body was withheld"
         )
     else:
-        error["code"] = "upstream_error_incomplete"
-        error["message"] = f"the upstream answered HTTP {status} but its error body is incomplete: {body.problem}"
-        if body.decoded:
-            return _within({"error": error}, scrubber.cut(body.data).decode("utf-8", "replace"), limit)
-    return json.dumps({"error": error}, ensure_ascii=False).encode()
+        code = "upstream_error_incomplete"
+        message = f"the upstream answered HTTP {status} but its error body is incomplete: {body.problem}"
+    # It stands in for the upstream's own error body: in the shape of the API the request went to,
+    # which the client's SDK parses (the path and the SDK's own header were forwarded as sent).
+    request = response.request
+    document = error_body(error_shape(request.url.path, request.headers.raw), status, "upstream_error", code, message)
+    if body.decoded and not withheld:
+        return _within(document, scrubber.cut(body.data).decode("utf-8", "replace"), limit)
+    return json.dumps(document, ensure_ascii=False).encode()
 
 
-def _within(document: dict[str, dict[str, str]], text: str, limit: int | None) -> bytes:
+def _within(document: dict[str, Any], text: str, limit: int | None) -> bytes:
     """``document`` with the longest start of ``text`` as ``upstream_body`` that fits in ``limit`` bytes."""
 
     def encode(size: int) -> bytes:

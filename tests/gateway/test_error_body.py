@@ -325,6 +325,38 @@ def test_incomplete_error_answer_stays_within_the_limit(text: bytes, limit: int)
     assert error["upstream_body"] and text.decode("utf-8", "replace").startswith(error["upstream_body"])
 
 
+SHAPED_REQUESTS = {
+    "openai": ("/v1/chat/completions", {}),
+    "anthropic": ("/v1/messages", {}),
+    "anthropic (its SDK's header)": ("/v1/models", {"anthropic-version": "2023-06-01"}),
+    "gemini": ("/v1beta/models/gemini-2.5-flash:streamGenerateContent", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPED_REQUESTS))
+@pytest.mark.parametrize("withheld", [False, True], ids=["incomplete", "withheld"])
+def test_the_stand_in_error_takes_the_shape_of_the_api_called(case: str, withheld: bool) -> None:
+    # It stands in for the upstream's error body: the client's SDK parses it as it would that one.
+    path, headers = SHAPED_REQUESTS[case]
+    request = httpx.Request("POST", f"http://u.test/base{path}", headers=headers)
+    response = httpx.Response(529, headers={"content-encoding": "br"} if withheld else {}, request=request)
+    body = ErrorBody(b"\x0b\x02" if withheld else b'{"error": {"mess', decoded=not withheld, problem="cut")
+    content = replay(response, body, KeyScrubber("sk-upstream"), limit=4096).read()
+    document = json.loads(content)
+    code = "upstream_error_withheld" if withheld else "upstream_error_incomplete"
+    shape = case.split(" ")[0]
+    if shape == "anthropic":
+        assert document["type"] == "error" and document["error"]["type"] == "overloaded_error"
+        assert document["error"]["code"] == code
+    elif shape == "gemini":
+        assert document["error"]["code"] == 529 and document["error"]["status"] == "INTERNAL"
+        assert document["error"]["details"][0]["reason"] == code
+    else:
+        assert document["error"]["type"] == "upstream_error" and document["error"]["code"] == code
+    assert "HTTP 529" in document["error"]["message"]
+    assert ("upstream_body" in document["error"]) is not withheld
+
+
 @pytest.mark.parametrize(
     ("body", "readable"),
     [
