@@ -228,7 +228,10 @@ class LifetimeMiddleware:
             if isinstance(configured, LifetimeSettings):
                 settings = configured
             elif isinstance(configured, Mapping):
-                settings = LifetimeSettings.from_mapping(configured)
+                try:
+                    settings = LifetimeSettings.from_mapping(configured)
+                except ValueError as exc:  # it names the setting by its variable: say where it was set
+                    raise ValueError(f"app.state.lifetime_settings: {exc}") from None
             else:
                 settings = LifetimeSettings.from_environ()
             lifetime = self._lifetime = Lifetime(settings)
@@ -275,11 +278,23 @@ class LifetimeMiddleware:
     def _binding_after_startup(self, scope: Scope, send: Send) -> Send:
         # Resolve the settings once the app's startup has run, not before: a lifespan handler is
         # where an app loads its configuration, app.state.lifetime_settings included. Bound at the
-        # start of the lifespan, the environment's defaults silently won. An invalid setting still
-        # fails the startup: the error rises into the app's lifespan, which reports it to the server.
+        # start of the lifespan, the environment's defaults silently won. An invalid setting fails
+        # the startup: reported to the server here, not left to the app (an app that lets the error
+        # out of its lifespan reads to uvicorn and hypercorn as "lifespan unsupported": they served,
+        # a 500 for every request), and raised into the app, whose own report is then not passed on.
+        failed = False
+
         async def send_bound(message: Message) -> None:
+            nonlocal failed
             if message["type"] == "lifespan.startup.complete":
-                self._bind(scope)
+                try:
+                    self._bind(scope)
+                except ValueError as exc:
+                    failed = True
+                    await send({"type": "lifespan.startup.failed", "message": f"LifetimeMiddleware: {exc}"})
+                    raise
+            elif failed and message["type"] == "lifespan.startup.failed":
+                return
             await send(message)
 
         return send_bound

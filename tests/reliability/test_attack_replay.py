@@ -12,6 +12,12 @@ Found here:
   a task and then listens for the disconnect, read ``b""`` too. The replay no longer changes a
   message once it is handed out.
 
+- an invalid setting (``app.state.lifetime_settings`` or ``ASGI_LIFETIME_*``) failed the startup only
+  when the app reported the error it got at ``lifespan.startup.complete``: a raw ASGI app that lets
+  it out of its lifespan reads to uvicorn and hypercorn as "lifespan unsupported", and they served,
+  a 500 for every request. The middleware reports the failure to the server itself; a mapping's
+  error names ``app.state.lifetime_settings`` (it named the environment variable only).
+
 Held up: Starlette's own receivers (``Request.stream``/``body``/``form``/``json``,
 ``BaseHTTPMiddleware``'s ``wrapped_receive``, ``RequestBodyLimitMiddleware``, the WSGI adapter,
 ``StreamingResponse``/``FileResponse`` listeners) and FastAPI's telemetry wrapper read ``body`` before
@@ -233,3 +239,29 @@ async def test_a_message_handed_to_a_task_keeps_its_body() -> None:
     }
     await middleware(scope, receive, send)
     assert seen == [len(BODY)]
+
+
+async def raw_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """A raw ASGI app with a lifespan and no framework: an error in it goes out as it is."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.mark.parametrize("server", ["uvicorn-h11", "hypercorn-asyncio", "hypercorn-trio"])
+def test_an_invalid_setting_fails_the_startup_of_an_app_that_does_not_report_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, server: str
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no .env
+    monkeypatch.setenv("ASGI_LIFETIME_MAX_BODY_BYTES", "lots")
+    app = LifetimeMiddleware(raw_app)
+    if server.startswith("uvicorn-"):
+        with pytest.raises(RuntimeError, match="failed to start"), serve_in_thread(app, startup_timeout=10):
+            pass
+    else:
+        with pytest.raises(AssertionError, match="LifespanFailure"), served(app, server):
+            pass
