@@ -35,8 +35,12 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from starlette.responses import StreamingResponse
+from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.middleware.gzip import GZipMiddleware
+from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
@@ -265,3 +269,50 @@ def test_an_invalid_setting_fails_the_startup_of_an_app_that_does_not_report_it(
     else:
         with pytest.raises(AssertionError, match="LifespanFailure"), served(app, server):
             pass
+
+
+class Chat(BaseModel):
+    model: str
+    messages: list[dict[str, str]]
+
+
+async def raw_length(request: Request) -> int:
+    return len(await request.body())
+
+
+async def reads_in_dispatch(request: Request, call_next: RequestResponseEndpoint) -> Response:
+    assert len(await request.body()) == len(BODY)  # cached by _CachedRequest, replayed to the app
+    return await call_next(request)
+
+
+def stacked_app(stack: str) -> FastAPI:
+    """Starlette's and FastAPI's receivers between the middleware and an endpoint that takes a body
+    model and a dependency on the raw body, then streams (Starlette's disconnect listener under
+    uvicorn, ASGI 2.3)."""
+    app = FastAPI()
+    if stack == "base-http-middleware":
+        app.add_middleware(BaseHTTPMiddleware, dispatch=reads_in_dispatch)
+    elif stack == "gzip":
+        app.add_middleware(GZipMiddleware, minimum_size=1)
+    elif stack == "body-limit":
+        app.add_middleware(RequestBodyLimitMiddleware, max_body_size=len(BODY))
+    app.add_middleware(LifetimeMiddleware, settings=LifetimeSettings(paths=("/v1/",)))
+
+    @app.post("/v1/chat")
+    async def chat(chat: Chat, size: int = Depends(raw_length)) -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            yield f"{len(chat.messages[0]['content'])} {size}".encode()
+
+        return StreamingResponse(chunks())
+
+    return app
+
+
+@pytest.mark.parametrize("server", ["uvicorn-h11", "hypercorn-trio"])
+@pytest.mark.parametrize("stack", ["plain", "base-http-middleware", "gzip", "body-limit"])
+def test_starlette_and_fastapi_receivers_get_the_body(stack: str, server: str) -> None:
+    with served(stacked_app(stack), server) as url:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            response = client.post("/v1/chat", content=BODY, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert response.text == f"1000 {len(BODY)}"
