@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -109,48 +108,32 @@ class RequestLifetime:
             await self._parsed_hold.release()
 
 
-class _ReplayedMessage(dict[str, Any]):
-    """The replayed ``http.request`` message: a dict the replay can follow weakly."""
-
-    __slots__ = ("__weakref__",)
-
-
 class _Replay:
     """Holds the body until the inner app's first ``receive()``, then holds nothing.
 
-    A receiver that keeps the replayed message while it waits for the next one (Starlette's
-    disconnect listener keeps it in a local for the whole stream, when the endpoint ignored the
-    body or took the parse) would keep the whole body, where without the middleware it keeps one
-    network chunk. So the message gives up its body when its receiver asks for the next message.
-    A body nobody has asked for is kept until then, also past the response start: an app may start
-    its answer before it reads the request (an echo), and must not find an empty body.
+    The message it returns is the app's: never changed afterwards. A receiver may hand it on
+    before reading it (a disconnect poller that queues messages for the app, FastAPI discussion
+    11360) or record it and read it after the response: emptying it at a later ``receive()``
+    gave those an empty body. A receiver that keeps it while it waits for the next message
+    (Starlette's disconnect listener, when the endpoint did not read the body) keeps the body as
+    long; such an endpoint takes the replay and drops it (docs/testing.md).
     """
 
-    __slots__ = ("body", "hold", "receive", "given")
+    __slots__ = ("body", "hold", "receive")
 
     def __init__(self, body: bytes, hold: Resource, receive: Receive) -> None:
         self.body: bytes | None = body
         self.hold: Resource | None = hold
         self.receive = receive
-        self.given: weakref.ref[_ReplayedMessage] | None = None
 
     async def __call__(self) -> Message:
         body, self.body = self.body, None
         if body is None:
-            given, self.given = self.given, None
-            message = given() if given is not None else None
-            if message is not None:  # still kept by the receiver asking for the next message
-                message["body"] = b""
             return await self.receive()
-        await self._release_hold()
-        message = _ReplayedMessage(type="http.request", body=body, more_body=False)
-        self.given = weakref.ref(message)
-        return message
-
-    async def _release_hold(self) -> None:
         hold, self.hold = self.hold, None
         if hold is not None:
             await hold.release()
+        return {"type": "http.request", "body": body, "more_body": False}
 
 
 class _Settle:
@@ -245,7 +228,10 @@ class LifetimeMiddleware:
             if isinstance(configured, LifetimeSettings):
                 settings = configured
             elif isinstance(configured, Mapping):
-                settings = LifetimeSettings.from_mapping(configured)
+                try:
+                    settings = LifetimeSettings.from_mapping(configured)
+                except ValueError as exc:  # it names the setting by its variable: say where it was set
+                    raise ValueError(f"app.state.lifetime_settings: {exc}") from None
             else:
                 settings = LifetimeSettings.from_environ()
             lifetime = self._lifetime = Lifetime(settings)
@@ -292,11 +278,23 @@ class LifetimeMiddleware:
     def _binding_after_startup(self, scope: Scope, send: Send) -> Send:
         # Resolve the settings once the app's startup has run, not before: a lifespan handler is
         # where an app loads its configuration, app.state.lifetime_settings included. Bound at the
-        # start of the lifespan, the environment's defaults silently won. An invalid setting still
-        # fails the startup: the error rises into the app's lifespan, which reports it to the server.
+        # start of the lifespan, the environment's defaults silently won. An invalid setting fails
+        # the startup: reported to the server here, not left to the app (an app that lets the error
+        # out of its lifespan reads to uvicorn and hypercorn as "lifespan unsupported": they served,
+        # a 500 for every request), and raised into the app, whose own report is then not passed on.
+        failed = False
+
         async def send_bound(message: Message) -> None:
+            nonlocal failed
             if message["type"] == "lifespan.startup.complete":
-                self._bind(scope)
+                try:
+                    self._bind(scope)
+                except ValueError as exc:
+                    failed = True
+                    await send({"type": "lifespan.startup.failed", "message": f"LifetimeMiddleware: {exc}"})
+                    raise
+            elif failed and message["type"] == "lifespan.startup.failed":
+                return
             await send(message)
 
         return send_bound

@@ -301,3 +301,15 @@ except ModuleNotFoundError as exc:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["blake3", "False"]
+
+
+def test_a_misspelt_testing_helper_is_a_type_error() -> None:
+    # asgi_lifetime.testing imports its server and client helpers when first used (a module
+    # __getattr__); type checkers see them declared, and not the __getattr__ that would make any
+    # other name Any: a typo is an error in the user's mypy run, not a crash in their test.
+    from mypy import api
+
+    code = "import asgi_lifetime.testing as t\nt.wait_idle\nt.wait_idel\n"
+    stdout, _, status = api.run(["--strict", "--no-incremental", "--config-file=", "-c", code])
+    assert status == 1, stdout
+    assert '<string>:3: error: Module has no attribute "wait_idel"; maybe "wait_idle"?' in stdout

@@ -50,24 +50,26 @@ _WITH_CLI = {
 }
 
 
-def __getattr__(name: str) -> _typing.Any:
-    module_name = _WITH_CLI.get(name)
-    if module_name is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        module = _importlib.import_module(f"{__name__}.{module_name}")
-    except ModuleNotFoundError as exc:
-        # A core-only install: name the extra that brings the server and the client, not the module that missed.
-        if (exc.name or "").partition(".")[0] not in ("uvicorn", "httpx", "httpcore", "h11"):
-            raise
-        raise ModuleNotFoundError(
-            f"{__name__}.{name} needs {exc.name!r}, which is not installed: pip install 'asgi-lifetime[cli]'",
-            name=exc.name,
-        ) from None
-    value = getattr(module, name)
-    _publish({"__name__": __name__, "__all__": [name], name: value})
-    globals()[name] = value
-    return value
+if not _typing.TYPE_CHECKING:  # type checkers see the imports above: a misspelt name is an error, not Any
+
+    def __getattr__(name: str) -> _typing.Any:
+        module_name = _WITH_CLI.get(name)
+        if module_name is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        try:
+            module = _importlib.import_module(f"{__name__}.{module_name}")
+        except ModuleNotFoundError as exc:
+            # A core-only install: name the extra that brings the server and the client, not the module that missed.
+            if (exc.name or "").partition(".")[0] not in ("uvicorn", "httpx", "httpcore", "h11"):
+                raise
+            raise ModuleNotFoundError(
+                f"{__name__}.{name} needs {exc.name!r}, which is not installed: pip install 'asgi-lifetime[cli]'",
+                name=exc.name,
+            ) from None
+        value = getattr(module, name)
+        _publish({"__name__": __name__, "__all__": [name], name: value})
+        globals()[name] = value
+        return value
 
 
 __all__ = [

@@ -15,7 +15,9 @@ Found here:
 - an endpoint that does not read the body (it ignores it, or takes only the parse with
   ``handoff_parsed=True``) and streams its answer: Starlette's disconnect listener received the whole
   replayed body and kept it for the whole stream (4 MiB under the probe; without the middleware, one
-  network chunk). The replayed message now gives up its body at the receiver's next ``receive()``.
+  network chunk). Emptying the message at the listener's next ``receive()`` gave an empty body to
+  receivers that read it later (tests/reliability/test_attack_replay.py): such an endpoint drops the
+  replay itself (docs/testing.md), pinned below.
 - README did not say that the default ``PATHS`` (``/v1/``) reads multipart uploads (``/v1/files``)
   whole into memory and refuses them over ``MAX_BODY_BYTES``.
 - ``asgi_lifetime.testing``, and so the pytest plugin, could not be imported without httpx and
@@ -322,14 +324,21 @@ async def test_a_plain_starlette_app_with_the_middleware(lifetime_probe: Lifetim
 # --- the replay when the app answers without reading the body -----------------------------------
 
 
-def _ignores_the_body() -> FastAPI:
-    async def endpoint() -> Response:  # its input is the query, say: a body sent anyway is not read
+async def _drop_the_replay(request: Request) -> None:
+    message = await request.receive()  # docs/testing.md: the replayed body, taken and let go
+    del message
+
+
+def _ignores_the_body(*, drop: bool) -> FastAPI:
+    async def endpoint(request: Request) -> Response:  # its input is the query, say: a body sent anyway is not read
+        if drop:
+            await _drop_the_replay(request)
         return _sse(0)
 
     return _drop_in(endpoint)
 
 
-def _takes_the_parse() -> FastAPI:
+def _takes_the_parse(*, drop: bool) -> FastAPI:
     app = FastAPI()
     app.add_middleware(LifetimeMiddleware, settings=LifetimeSettings(paths=("/v1/",)), handoff_parsed=True)
 
@@ -338,16 +347,28 @@ def _takes_the_parse() -> FastAPI:
         body = request.state.lifetime.take_parsed()  # docstring's way to the parse, no second one
         count = len(body["messages"])
         del body
+        if drop:
+            await _drop_the_replay(request)
         return _sse(count)
 
     return app
 
 
 @pytest.mark.parametrize("build", [_ignores_the_body, _takes_the_parse])
-async def test_a_body_the_app_did_not_read_is_not_held_while_it_streams(
-    lifetime_probe: LifetimeProbe, build: Callable[[], FastAPI]
+async def test_a_body_the_app_did_not_read_waits_in_the_disconnect_listener(
+    anyio_backend: str, build: Callable[..., FastAPI]
 ) -> None:
     # Starlette's disconnect listener is the first to receive() once the response has started:
-    # it got the whole replayed body (4 MiB here, up to MAX_BODY_BYTES) and kept it for the whole
-    # stream, where without the middleware it would keep one network chunk.
-    await lifetime_probe(build())
+    # it gets the whole replayed body (4 MiB here, up to MAX_BODY_BYTES) and keeps it for the whole
+    # stream, where without the middleware it would keep one network chunk. The replay cannot take
+    # it back: the same message may be on its way to a receiver that reads it later.
+    report = await probe_retention(build(drop=False))
+    assert not report.ok
+    assert "StreamingResponse.listen_for_disconnect local 'message'['body']" in str(report)
+
+
+@pytest.mark.parametrize("build", [_ignores_the_body, _takes_the_parse])
+async def test_a_body_the_app_dropped_is_not_held_while_it_streams(
+    lifetime_probe: LifetimeProbe, build: Callable[..., FastAPI]
+) -> None:
+    await lifetime_probe(build(drop=True))
