@@ -172,6 +172,20 @@ def hypercorn_in_thread(app: Any, worker: str) -> Iterator[int]:
     assert not failure, failure
 
 
+@contextlib.contextmanager
+def served(app: Any, server: str) -> Iterator[str]:
+    """``app`` under ``server`` (``uvicorn-h11``, ``uvicorn-httptools``, ``hypercorn-asyncio``,
+    ``hypercorn-trio``) on a loopback port; yields its base URL once startup has run."""
+    from asgi_lifetime.testing import serve_in_thread  # uvicorn: imported by the tests that serve with it
+
+    if server.startswith("uvicorn-"):
+        with serve_in_thread(app, http=server.removeprefix("uvicorn-")) as url:
+            yield url
+    else:
+        with hypercorn_in_thread(app, server.removeprefix("hypercorn-")) as port:
+            yield f"http://127.0.0.1:{port}"
+
+
 def redis_ping(port: int, *, timeout: float = 1.0) -> bool:
     """True if a Redis server on 127.0.0.1:``port`` answers ``PING`` (an inline command, no client library)."""
     try:

@@ -36,7 +36,7 @@ import contextlib
 import gzip
 import json
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -47,24 +47,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
 from asgi_lifetime.testing import LifetimeProbe, plugin, probe_retention, serve_in_thread, wait_idle
-from tests._servers import hypercorn_in_thread
+from tests._servers import served
 
 pytestmark = pytest.mark.anyio
 lifetime_probe = plugin.lifetime_probe  # the fixture, as a user's conftest enables it
 
 LIMIT = 4096
 SERVERS = ["uvicorn-h11", "uvicorn-httptools", "hypercorn-asyncio", "hypercorn-trio"]
-
-
-@contextlib.contextmanager
-def served(app: Any, server: str) -> Iterator[str]:
-    """``app`` under ``server`` on a loopback port; yields its base URL once startup has run."""
-    if server.startswith("uvicorn-"):
-        with serve_in_thread(app, http=server.removeprefix("uvicorn-")) as url:
-            yield url
-    else:
-        with hypercorn_in_thread(app, server.removeprefix("hypercorn-")) as port:
-            yield f"http://127.0.0.1:{port}"
 
 
 def user_app(settings: LifetimeSettings | None = None, **state: Any) -> FastAPI:

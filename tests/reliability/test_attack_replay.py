@@ -27,9 +27,8 @@ they ask again; none keeps a message across a ``receive()``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -45,19 +44,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from asgi_lifetime import LifetimeMiddleware, LifetimeSettings
 from asgi_lifetime.testing import serve_in_thread
-from tests._servers import hypercorn_in_thread
+from tests._servers import served
 
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 1000 + b'"}]}'
-
-
-@contextlib.contextmanager
-def served(app: Any, server: str) -> Iterator[str]:
-    if server.startswith("uvicorn-"):
-        with serve_in_thread(app, http=server.removeprefix("uvicorn-")) as url:
-            yield url
-    else:
-        with hypercorn_in_thread(app, server.removeprefix("hypercorn-")) as port:
-            yield f"http://127.0.0.1:{port}"
 
 
 class RequestCancelledMiddleware:
@@ -167,18 +156,15 @@ def fastapi_app(inside: Callable[..., ASGIApp] | None = None, **options: Any) ->
     return app
 
 
-@pytest.mark.parametrize("server", ["uvicorn-h11", "uvicorn-httptools", "hypercorn-asyncio"])
-def test_a_disconnect_poller_that_queues_messages_hands_the_app_the_body(server: str) -> None:
-    with served(fastapi_app(inside=RequestCancelledMiddleware), server) as url:
-        with httpx.Client(base_url=url, timeout=10) as client:
-            response = client.post("/v1/len", content=BODY, headers={"content-type": "application/json"})
-    assert response.status_code == 200, response.text
-    assert response.json() == {"len": len(BODY)}
-
-
-@pytest.mark.parametrize("server", ["uvicorn-h11", "hypercorn-asyncio", "hypercorn-trio"])
-def test_the_anyio_poller_hands_the_app_the_body(server: str) -> None:
-    with served(fastapi_app(inside=CancelOnDisconnect), server) as url:
+@pytest.mark.parametrize(
+    ("poller", "server"),
+    [(RequestCancelledMiddleware, s) for s in ("uvicorn-h11", "uvicorn-httptools", "hypercorn-asyncio")]
+    + [(CancelOnDisconnect, s) for s in ("uvicorn-h11", "hypercorn-asyncio", "hypercorn-trio")],
+    ids=lambda value: value if isinstance(value, str) else value.__name__,
+)
+def test_a_disconnect_poller_that_queues_messages_hands_the_app_the_body(poller: type, server: str) -> None:
+    # RequestCancelledMiddleware queues them on an asyncio.Queue, CancelOnDisconnect on an anyio stream.
+    with served(fastapi_app(inside=poller), server) as url:
         with httpx.Client(base_url=url, timeout=10) as client:
             response = client.post("/v1/len", content=BODY, headers={"content-type": "application/json"})
     assert response.status_code == 200, response.text
