@@ -186,8 +186,9 @@ class LifetimeMiddleware:
 
     Without ``settings`` it uses ``app.state.lifetime_settings`` (a ``LifetimeSettings`` or a
     mapping; a lifespan handler may set it) if set once the app's startup has run, else the
-    environment (``ASGI_LIFETIME_*`` and ``.env``). Requests outside
-    ``PATHS`` and non-HTTP scopes pass through untouched. The admission slot and byte budget
+    environment (``ASGI_LIFETIME_*`` and ``.env``). Requests outside ``PATHS`` and websockets
+    pass through untouched; of the lifespan, only the startup's answer is read (to resolve the
+    settings then, and to report invalid ones as a failed startup). The admission slot and byte budget
     come back on every settlement path. ``handoff_parsed=True`` keeps the first parse for the
     inner app to ``take_parsed()`` (413 ``body_too_complex`` when it would cost too much).
     Otherwise a large JSON body is not parsed at all when the lazy walk (``_lazy``) can tell

@@ -5,12 +5,16 @@ Each check runs in a fresh interpreter (this one has imported everything already
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from asgi_lifetime._extras import EXTRA_MODULES
 
 EXTRAS = ("httpx", "httpcore", "h11", "aiohttp", "yarl", "prometheus_client", "rich", "psutil", "uvicorn", "redis")
 
@@ -313,3 +317,37 @@ def test_a_misspelt_testing_helper_is_a_type_error() -> None:
     stdout, _, status = api.run(["--strict", "--no-incremental", "--config-file=", "-c", code])
     assert status == 1, stdout
     assert '<string>:3: error: Module has no attribute "wait_idel"; maybe "wait_idle"?' in stdout
+
+
+def _name(requirement: str) -> str:
+    """A requirement's distribution name, normalised (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~;\s(]", requirement, maxsplit=1)[0]).lower()
+
+
+def _extra_distributions(extra: str) -> set[str]:
+    """The distributions the installed package's ``extra`` requires (the build writes an extra's own
+    extras out in its metadata: ``cli`` lists the gateway's too)."""
+    marker = re.compile(rf"""extra\s*==\s*['"]{extra}['"]""")
+    return {
+        _name(requirement)
+        for requirement in importlib.metadata.requires("asgi-lifetime") or []
+        if marker.search(requirement)
+    }
+
+
+@pytest.mark.parametrize("extra", sorted(EXTRA_MODULES))
+def test_each_extra_brings_the_modules_its_install_hint_names(extra: str) -> None:
+    # A module named in EXTRA_MODULES that the extra does not install would send a user to install
+    # an extra that does not help.
+    providers = importlib.metadata.packages_distributions()
+    required = _extra_distributions(extra)
+    for module in EXTRA_MODULES[extra]:
+        brought_by = {_name(name) for name in providers.get(module, [])}
+        direct = brought_by & required
+        through = {
+            name
+            for name in required
+            for dependency in importlib.metadata.requires(name) or []
+            if _name(dependency) in brought_by
+        }
+        assert direct or through, f"{module} is not installed by the {extra!r} extra"

@@ -5,24 +5,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-__all__ = ["EXTRA_MODULES", "install_hint", "main"]
+from .._extras import missing_extra
 
-EXTRA_MODULES = {
-    "cli": frozenset({"uvicorn", "httpx", "httpcore", "h11", "prometheus_client"}),
-    "demo": frozenset({"rich", "psutil"}),
-}
-"""Which extra brings which top-level module (pyproject.toml's optional dependencies)."""
-
-
-def install_hint(exc: ModuleNotFoundError, extra: str) -> str | None:
-    """The message for a module that ``extra`` would have installed, or ``None`` for any other."""
-    missing = (exc.name or "").partition(".")[0]
-    if missing not in EXTRA_MODULES[extra]:
-        return None
-    return (
-        f"asgi-lifetime: this command needs {missing!r}, which is not installed.\n"
-        f"Install the {extra!r} extra: pip install 'asgi-lifetime[{extra}]'"
-    )
+__all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,9 +15,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from ._main import main as run
     except ModuleNotFoundError as exc:
-        hint = install_hint(exc, "cli")
-        if hint is None:
+        error = missing_extra(exc, "cli", "the asgi-lifetime command")
+        if error is None:
             raise
-        print(hint, file=sys.stderr)
+        print(error, file=sys.stderr)
         return 1
     return run(argv)

@@ -41,6 +41,7 @@ from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
 from uvicorn.supervisors import Multiprocess, multiprocess
 
 from .. import __version__
+from .._extras import missing_extra
 from .._settings import (
     SETTINGS,
     GiB,
@@ -59,7 +60,6 @@ from .._settings import (
 from ..gateway._auth import is_loopback, open_beyond_loopback
 from ..gateway._metrics import MULTIPROC_DIR_ENV
 from ..gateway._shutdown import request_shutdown
-from . import install_hint
 
 __all__ = [
     "build_parser",
@@ -625,9 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from . import _demo
     except ModuleNotFoundError as exc:
-        hint = install_hint(exc, "demo")
-        if hint is None:
+        error = missing_extra(exc, "demo", "asgi-lifetime demo")
+        if error is None:
             raise
+        hint = str(error)
         # The other commands work without the demo's display; ``demo`` says what to install.
         demo = commands.add_parser("demo", help=demo_help, add_help=False)
         demo.add_argument("rest", nargs=argparse.REMAINDER)

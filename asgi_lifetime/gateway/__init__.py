@@ -13,6 +13,7 @@ Needs the ``gateway`` extra: ``pip install 'asgi-lifetime[gateway]'`` (and for a
 Redis, ``SESSION_STORE=redis://...``, the ``redis`` extra).
 """
 
+from .._extras import missing_extra as _missing_extra
 from .._publish import publish as _publish
 
 try:
@@ -27,13 +28,10 @@ try:
     from ._upstream import AttemptEvent, UpstreamClient
 except ModuleNotFoundError as _exc:
     # A core-only install: name the extra rather than the module deep in the import chain that missed it.
-    _missing = (_exc.name or "").partition(".")[0]
-    if _missing not in {"httpx", "httpcore", "h11", "prometheus_client"}:  # the gateway extra's modules
+    _error = _missing_extra(_exc, "gateway", __name__)
+    if _error is None:
         raise
-    raise ModuleNotFoundError(
-        f"asgi_lifetime.gateway needs {_missing!r}, which is not installed: pip install 'asgi-lifetime[gateway]'",
-        name=_missing,
-    ) from None
+    raise _error from None
 
 __all__ = [
     "AccessLog",

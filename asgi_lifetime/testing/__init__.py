@@ -22,6 +22,7 @@ with serve_in_thread(create_demo_upstream()) as upstream_url:
 import importlib as _importlib
 import typing as _typing
 
+from .._extras import missing_extra as _missing_extra
 from .._publish import publish as _publish
 from ._probe import (
     Holder,
@@ -60,12 +61,10 @@ if not _typing.TYPE_CHECKING:  # type checkers see the imports above: a misspelt
             module = _importlib.import_module(f"{__name__}.{module_name}")
         except ModuleNotFoundError as exc:
             # A core-only install: name the extra that brings the server and the client, not the module that missed.
-            if (exc.name or "").partition(".")[0] not in ("uvicorn", "httpx", "httpcore", "h11"):
+            error = _missing_extra(exc, "cli", f"{__name__}.{name}")
+            if error is None:
                 raise
-            raise ModuleNotFoundError(
-                f"{__name__}.{name} needs {exc.name!r}, which is not installed: pip install 'asgi-lifetime[cli]'",
-                name=exc.name,
-            ) from None
+            raise error from None
         value = getattr(module, name)
         _publish({"__name__": __name__, "__all__": [name], name: value})
         globals()[name] = value
