@@ -315,6 +315,16 @@ def test_a_restart_on_a_leftover_directory_and_a_second_server_only_add(tmp_path
                 seconds=20,
                 what="the first run counted",
             )
+
+            # No worker died: /lifetime/stats (live workers) and /metrics (all) count the same.
+            def same() -> bool:
+                samples, stats = scrape(gateway.base), gateway.stats()
+                return all(
+                    one(samples, f"asgi_lifetime_{name}_total") == stats[field] == 8
+                    for name, field in (("admitted", "admitted"), ("completed", "completed"))
+                )
+
+            eventually(same, seconds=20, what="/metrics and /lifetime/stats agree")
             gateway.kill()  # every worker at once: their gauge files stay behind
 
         with (
