@@ -23,6 +23,10 @@ Found here:
 - a worker that got the pid of a dead one from a run on the same directory (containers reuse pids)
   showed the dead one's ``upstream_inflight`` / ``upstream_down`` for good, for the upstreams only
   the dead one reported: they go to 0 when the new worker starts.
+- a directory the workers cannot write to: every worker failed on its first metric file with a
+  traceback, restarted by uvicorn's supervisor for ever (18 in 12 s), the port answering nothing.
+  ``GatewayMetrics`` tries the directory with a temporary file and says why; ``asgi-lifetime serve``
+  tries it before starting workers and exits with that line (status 2).
 
 Held up (kept as tests): no counter went back in any scrape (66-68 a run per server kind) while a
 worker was SIGKILLed mid-stream, another stopped cleanly (SIGTERM) and uvicorn's supervisor replaced
@@ -508,3 +512,28 @@ def test_a_worker_reusing_a_dead_pid_does_not_inherit_its_gauges(
     # Its totals carry on (counters never go back).
     assert one(samples, "asgi_lifetime_admitted_total") == 5
     assert one(samples, "asgi_lifetime_upstream_attempts_total", upstream="http://old:1") == 4
+
+
+# A directory no process can write to, even as root (CI may run as root: a mode would not stop it).
+UNWRITABLE = "/proc/self/fdinfo"
+
+
+@pytest.mark.skipif(not os.path.isdir(UNWRITABLE), reason="needs Linux's /proc")
+def test_an_unwritable_directory_is_refused_at_once_not_a_worker_crash_loop(tmp_path: Path) -> None:
+    # Each worker failed on its first metric file with a traceback, and uvicorn's supervisor started
+    # another, for ever (18 in 12 s), the port answering nothing.
+    env = clean_env({"PROMETHEUS_MULTIPROC_DIR": UNWRITABLE, "PYTHONPATH": ROOT})
+    argv = ["serve", "--port", str(free_port()), "--workers", "2", "--upstream", "http://127.0.0.1:9"]
+    done = subprocess.run(
+        [sys.executable, "-m", "asgi_lifetime", *argv], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"PROMETHEUS_MULTIPROC_DIR={UNWRITABLE!r} is not a directory this process can write to" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir(UNWRITABLE), reason="needs Linux's /proc")
+def test_gateway_metrics_refuse_an_unwritable_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", UNWRITABLE)  # uvicorn --factory: the worker says why
+    with pytest.raises(ValueError, match="is not a directory this process can write to"):
+        GatewayMetrics(stats=Counters().snapshot, describe_upstreams=list)
