@@ -58,7 +58,7 @@ from .._settings import (
     redact_url,
 )
 from ..gateway._auth import is_loopback, open_beyond_loopback
-from ..gateway._metrics import MULTIPROC_DIR_ENV
+from ..gateway._metrics import MULTIPROC_DIR_ENV, multiproc_directory_problem
 from ..gateway._shutdown import request_shutdown
 
 __all__ = [
@@ -456,8 +456,15 @@ def _shared_directory(workers: int) -> Iterator[None]:
     """N workers: the directory where they share metrics and stats, unless the operator named one.
 
     Set before the workers start (prometheus_client picks its storage at import, in each worker).
+    One the operator named is tried here, once: each worker would fail on it at startup, and be
+    restarted by uvicorn's supervisor, for ever.
     """
-    if workers < 2 or os.environ.get(MULTIPROC_DIR_ENV):
+    named = os.environ.get(MULTIPROC_DIR_ENV)
+    if named:
+        problem = multiproc_directory_problem(named)
+        if problem is not None:
+            raise CommandError(problem)
+    if workers < 2 or named:
         yield
         return
     directory = tempfile.mkdtemp(prefix="asgi-lifetime-workers-")

@@ -158,7 +158,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             headers=list(response.raw_headers),
             stream=_Body(response),
             request=request,
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (response.reason or "").encode("latin-1")},
+            # aiohttp decodes the reason phrase as UTF-8 with surrogateescape: encoding it back that way
+            # gives the bytes received (latin-1 raised on any byte >= 0x80, a 500 for every answer).
+            extensions={
+                "http_version": b"HTTP/1.1",
+                "reason_phrase": (response.reason or "").encode("utf-8", "surrogateescape"),
+            },
         )
 
     def _refused_head(self, netloc: bytes, exc: aiohttp.ClientResponseError) -> None:

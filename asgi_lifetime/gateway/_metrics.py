@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -93,6 +94,7 @@ __all__ = [
     "REFUSAL_REASONS",
     "GatewayMetrics",
     "make_metrics_route",
+    "multiproc_directory_problem",
 ]
 
 logger = logging.getLogger(__name__)
@@ -368,6 +370,23 @@ class _LiveStateCollector:
         yield from (inflight, down, attempts, failures)
 
 
+def multiproc_directory_problem(directory: str) -> str | None:
+    """Why ``directory`` cannot hold the multiprocess files, or ``None``.
+
+    Writable is tried, not inferred from its mode (root ignores the mode, a read-only mount does not):
+    every worker would otherwise fail on its first metric file, and uvicorn's supervisor restarts
+    a worker that fails at startup, for ever.
+    """
+    if not directory or not os.path.isdir(directory):
+        return f"{MULTIPROC_DIR_ENV} must name an existing directory, got {directory!r}"
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        return f"{MULTIPROC_DIR_ENV}={directory!r} is not a directory this process can write to ({exc.strerror})"
+    return None
+
+
 class GatewayMetrics:
     """Prometheus metrics for the gateway; a bookkeeper and an attempt listener.
 
@@ -411,8 +430,9 @@ class GatewayMetrics:
             self._metrics = _RequestMetrics(self.registry)
             self.registry.register(_LiveStateCollector(stats, describe_upstreams, self._labels, session_store))
             return
-        if not directory or not os.path.isdir(directory):
-            raise ValueError(f"{MULTIPROC_DIR_ENV} must name an existing directory, got {directory!r}")
+        problem = multiproc_directory_problem(directory)
+        if problem is not None:
+            raise ValueError(problem)
         if _prometheus_values.ValueClass is _prometheus_values.MutexValue:
             raise ValueError(
                 f"{MULTIPROC_DIR_ENV}={directory!r} was set after prometheus_client was imported, which then "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import logging
 import os
 import threading
@@ -22,6 +23,7 @@ from typing import Protocol, cast
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client import values as _prometheus_values
 from prometheus_client.metrics_core import Metric
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from .._stats import SHED_REASONS, LifetimeStats
@@ -80,9 +82,7 @@ class _Mirror:
         "upstream_down",
         "upstream_attempts",
         "upstream_failures",
-        "store_up",
-        "store_fallbacks",
-        "store_local",
+        "_store",
     )
 
     def __init__(self) -> None:
@@ -100,13 +100,21 @@ class _Mirror:
         self.upstream_attempts = Counter(PREFIX + name, doc, ["upstream"], registry=None)
         name, doc = _UPSTREAM_FAILURES
         self.upstream_failures = Counter(PREFIX + name, doc, ["upstream"], registry=None)
-        # The store is up only if it is up in every live worker: one on its own memory is down.
-        name, doc = _STORE_UP
-        self.store_up = Gauge(PREFIX + name, doc, registry=None, multiprocess_mode="livemin")
-        name, doc = _STORE_FALLBACKS
-        self.store_fallbacks = Counter(PREFIX + name, doc, registry=None)
-        name, doc = _STORE_LOCAL
-        self.store_local = Counter(PREFIX + name, doc, registry=None)
+        self._store: tuple[Gauge, Counter, Counter] | None = None
+
+    def store(self) -> tuple[Gauge, Counter, Counter]:
+        """``session_store_up``, ``_fallbacks``, ``_local_records``: made when an instance with a session
+        store first copies, not before. prometheus_client writes 0 to the file when it makes the gauge,
+        so a worker without a store (or one not yet synced) reported the store down to the fleet."""
+        if self._store is None:
+            # The store is up only if it is up in every live worker: one on its own memory is down.
+            name, doc = _STORE_UP
+            up = Gauge(PREFIX + name, doc, registry=None, multiprocess_mode="livemin")
+            name, doc = _STORE_FALLBACKS
+            fallbacks = Counter(PREFIX + name, doc, registry=None)
+            name, doc = _STORE_LOCAL
+            self._store = (up, fallbacks, Counter(PREFIX + name, doc, registry=None))
+        return self._store
 
 
 class Source:
@@ -146,7 +154,11 @@ class Process:
         self.mirror = _Mirror()
         self.sources: set[Source] = set()
         self.writers: set[Writer] = set()
-        self.seen_upstreams: set[str] = set()
+        self.failing: set[Writer] = set()  # writers whose last write failed (logged once)
+        # A process that had this pid before (a restart on a directory not emptied: containers reuse pids)
+        # left its live gauges in the files this one writes to. Its upstreams go to 0 at the first sync,
+        # as does any upstream no instance reports any more; they stayed at its last values.
+        self.seen_upstreams: set[str] = _upstreams_left_behind(directory)
         self.interval = float("inf")
         self.lock = threading.RLock()  # RLock: a finalizer may run retire() from a GC inside sync()
         self.wake = threading.Event()
@@ -169,6 +181,7 @@ class Process:
         """Stop writing ``writer`` and remove what it wrote (a worker that exits leaves no report)."""
         with self.lock:
             self.writers.discard(writer)
+            self.failing.discard(writer)
             writer.remove()
             if not self.writers and not self.sources:
                 self.wake.set()
@@ -225,7 +238,12 @@ class Process:
             try:
                 writer.write()
             except Exception:
-                logger.exception("writing this worker's stats report failed")
+                # Once per outage, not every interval (the directory removed: a traceback a second, forever).
+                if writer not in self.failing:
+                    self.failing.add(writer)
+                    logger.exception("writing this worker's stats report failed (logged once until a write succeeds)")
+            else:
+                self.failing.discard(writer)
 
     def sync(self) -> None:
         """Copy every source's live state into the mirror."""
@@ -247,7 +265,7 @@ class Process:
             for name, value in gauges.items():
                 self.mirror.gauges[name].set(value)
             if store_up is not None:
-                self.mirror.store_up.set(store_up)
+                self.mirror.store()[0].set(store_up)
             self.seen_upstreams.update(inflight)
             for label in self.seen_upstreams:  # an upstream no instance reports any more goes to 0
                 self.mirror.upstream_inflight.labels(upstream=label).set(inflight.get(label, 0))
@@ -267,8 +285,9 @@ class Process:
         mirror = self.mirror
         if source.store is not None:
             state = source.store()
-            source.advance(mirror.store_fallbacks, ("session_store_fallbacks", ""), state.fallbacks)
-            source.advance(mirror.store_local, ("session_store_local_records", ""), state.local_records)
+            _, fallbacks, local = mirror.store()
+            source.advance(fallbacks, ("session_store_fallbacks", ""), state.fallbacks)
+            source.advance(local, ("session_store_local_records", ""), state.local_records)
         for label, view in source.upstreams.items():
             source.advance(mirror.upstream_attempts.labels(upstream=label), ("upstream_attempts", label), view.attempts)
             source.advance(mirror.upstream_failures.labels(upstream=label), ("upstream_failures", label), view.failures)
@@ -282,6 +301,22 @@ class Process:
         self.lock = threading.RLock()
         self.wake = threading.Event()
         self.thread = None
+
+
+def _upstreams_left_behind(directory: str) -> set[str]:
+    """The ``upstream`` labels in this pid's live gauge files, written by an earlier process with this pid."""
+    names = {PREFIX + _UPSTREAM_INFLIGHT[0], PREFIX + _UPSTREAM_DOWN[0]}
+    found: set[str] = set()
+    for path in glob.glob(os.path.join(glob.escape(directory), f"gauge_live*_{os.getpid()}.db")):
+        try:
+            entries = MmapedDict.read_all_values_from_file(path)  # type: ignore[no-untyped-call]
+            for key, *_ in entries:
+                name, _, labels, _ = json.loads(key)
+                if name in names and isinstance(labels.get("upstream"), str):
+                    found.add(labels["upstream"])
+        except Exception:
+            continue  # unreadable: SharedFilesCollector leaves it out and says so
+    return found
 
 
 _process_lock = threading.Lock()
@@ -351,17 +386,23 @@ def remove_dead_processes(directory: str) -> None:
 
 
 class SharedFilesCollector(MultiProcessCollector):
-    """prometheus_client's collector, minus the files another process is creating this instant.
+    """prometheus_client's collector, minus the files another process is creating this instant,
+    and minus files it cannot read.
 
     A worker creates a metric's file when it first writes to it (its sync thread does, at any
     time): the file exists, empty, until that worker sizes it. Reading it then raised
     ``struct.error`` and the whole scrape failed. An empty file holds no values yet: skip it.
     A file removed between listing and reading (a dead worker's, by another worker) is retried.
+
+    A ``*.db`` file that is not a readable metrics file (truncated, garbage, not ours) made every
+    scrape fail, for good: it is left out, with one warning naming it, and the others are served.
+    A directory that is gone fails the scrape: served empty, every series would vanish unnoticed.
     """
 
     def __init__(self, registry: CollectorRegistry, directory: str) -> None:
         super().__init__(registry, path=directory)  # type: ignore[no-untyped-call]
         self._directory = directory
+        self._unreadable: set[str] = set()  # warned about once each
 
     def collect(self) -> Iterable[Metric]:
         try:
@@ -370,8 +411,32 @@ class SharedFilesCollector(MultiProcessCollector):
             return self._merge()
 
     def _merge(self) -> Iterable[Metric]:
+        if not os.path.isdir(self._directory):
+            raise RuntimeError(f"the metrics directory {self._directory!r} is gone: restart the server")
         files = [path for path in glob.glob(os.path.join(glob.escape(self._directory), "*.db")) if _sized(path)]
-        return cast(Iterable[Metric], self.merge(files, accumulate=True))  # type: ignore[no-untyped-call]
+        try:
+            return self._read(files)
+        except FileNotFoundError:
+            raise
+        except Exception:
+            # Some file cannot be read: find which (one at a time, only on this path) and leave it out.
+            return self._read([path for path in files if self._readable(path)])
+
+    def _read(self, files: list[str]) -> Iterable[Metric]:
+        # merge() builds the whole list: a bad file raises here, not while the registry renders.
+        return list(cast(Iterable[Metric], self.merge(files, accumulate=True)))  # type: ignore[no-untyped-call]
+
+    def _readable(self, path: str) -> bool:
+        try:
+            self._read([path])
+        except FileNotFoundError:
+            return False
+        except Exception as exc:
+            if path not in self._unreadable:
+                self._unreadable.add(path)
+                logger.warning("left out of /metrics: %s is not a readable metrics file (%s)", path, exc)
+            return False
+        return True
 
 
 def _sized(path: str) -> bool:

@@ -642,6 +642,20 @@ class UpstreamClient:
             release()
             raise
         self._pool.mark_up(base)
+        if not 100 <= response.status_code <= 599:
+            # No valid status lies outside 100-599 (RFC 9110 15), and the server in front of the gateway may
+            # not send one (uvicorn with httptools raised: the client's connection dropped, nothing answered):
+            # a malformed answer, as one h11 or aiohttp refuses to parse.
+            try:
+                await response.aclose()
+            finally:
+                release()
+            # It answered: it may have done the work, so only what is safe to send twice is retried.
+            return _Failure(
+                timeout=False,
+                reason=f"status {response.status_code} outside 100-599",
+                retryable=resend_safe(request.method, body_sent=True),
+            )
         _framed(response, self._scrubber)
         if response.is_closed:  # already complete (e.g. an in-memory transport): nothing in flight
             release()
