@@ -1,0 +1,335 @@
+"""Attack: the graceful drain, as an operator doing a rolling deploy sees it (SIGTERM, ``/healthz`` 503
+for ``DRAIN_DELAY``, ``SHUTDOWN_GRACE``, uvicorn's backstop), over real servers and ``asgi-lifetime serve``
+processes (1 and 2 workers), with a raw loopback upstream that records what it was sent and when the
+gateway hung up on it.
+
+What each client must get: a complete answer or an error in its API's shape, never a silently cut
+200; the upstream sees every cut request closed; the process exits 0 within the documented bound; one
+access-log line per request. Found: a request still waiting for the upstream's answer when the grace
+ended (its headers, a retry's backoff) was not ended by the drain: uvicorn's backstop cut it 5 s later
+with its own plain-text 500 and a traceback. It now gets the 503 ``shutting_down`` a relay gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from asgi_lifetime._cli._main import SHUTDOWN_BACKSTOP
+from asgi_lifetime._settings import LifetimeSettings
+from asgi_lifetime.gateway import create_app
+from asgi_lifetime.gateway._shutdown import request_shutdown, reset_shutdown
+
+from .._gateways import clean_env, eventually
+from .._servers import free_port, served, threaded_server
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout under test, also for the served processes
+ANTHROPIC = {"anthropic-version": "2023-06-01"}
+
+
+@dataclass
+class Upstream:
+    """Answers by the request's ``model``: ``hold`` never answers, ``retry`` is a 503 asking for 30 s,
+    ``stream`` is an endless OpenAI event stream, anything else a complete chat completion. One request
+    per connection (a complete answer says ``connection: close``)."""
+
+    url: str = ""
+    seen: list[str] = field(default_factory=list)  # the model of each request, as it arrived
+    closed: list[str] = field(default_factory=list)  # the model of each request the gateway hung up on
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def handle(self, sock: socket.socket, n: int) -> None:
+        with sock:
+            sock.settimeout(30)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                if not (chunk := sock.recv(65536)):
+                    return
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next(
+                int(v)
+                for k, _, v in (line.partition(b":") for line in head.split(b"\r\n"))
+                if k.lower() == b"content-length"
+            )
+            while len(body) < length:
+                body += sock.recv(65536)
+            model = body.split(b'"model":', 1)[1].split(b'"')[1].decode()
+            with self.lock:
+                self.seen.append(model)
+            try:
+                self.answer(sock, model)
+                while sock.recv(65536):  # until the gateway hangs up
+                    pass
+            except OSError:
+                pass
+            with self.lock:
+                self.closed.append(model)
+
+    def answer(self, sock: socket.socket, model: str) -> None:
+        if model == "retry":
+            body = b'{"error": {"message": "busy"}}'
+            sock.sendall(
+                b"HTTP/1.1 503 Busy\r\nconnection: close\r\ncontent-type: application/json\r\nretry-after: 30\r\n"
+            )
+            sock.sendall(b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        elif model == "stream":
+            sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            event = (
+                b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+            )
+            while True:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+                time.sleep(0.05)
+        elif model != "hold":
+            body = (
+                b'{"id":"c","object":"chat.completion","model":"m","choices":[{"index":0,"message":'
+                b'{"role":"assistant","content":"done"},"finish_reason":"stop"}],'
+                b'"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}'
+            )
+            sock.sendall(
+                b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+
+    def count(self, model: str, of: str = "seen") -> int:
+        with self.lock:
+            return getattr(self, of).count(model)  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def upstream() -> Iterator[Upstream]:
+    up = Upstream()
+    with threaded_server(up.handle, name="drain-upstream") as url:
+        up.url = url
+        yield up
+
+
+def ask(base: str, path: str, model: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    body = {"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(f"{base}{path}", json=body, headers=headers, timeout=30)
+
+
+class Calls:
+    """Requests run in threads; each one's answer (or exception) and when it came."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, tuple[float, Any]] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str, call: Any) -> None:
+        def run() -> None:
+            try:
+                result: Any = call()
+            except Exception as exc:
+                result = exc
+            self.results[name] = (time.monotonic(), result)
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def join(self, seconds: float) -> None:
+        for thread in self.threads:
+            thread.join(seconds)
+        assert not any(thread.is_alive() for thread in self.threads), self.results
+
+
+def assert_shutting_down(response: Any, shape: str) -> None:
+    assert isinstance(response, httpx.Response), response
+    assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1, response.text
+    body = response.json()
+    if shape == "anthropic":
+        assert body["type"] == "error" and body["error"]["code"] == "shutting_down"
+    else:
+        assert body["error"]["code"] == "shutting_down"
+
+
+# -- waiting for the upstream's answer when the grace ends ---------------------------------------------
+
+
+@pytest.mark.parametrize("server", ["uvicorn-h11", "hypercorn-asyncio", "hypercorn-trio"])
+def test_a_request_waiting_for_its_answer_gets_a_503_when_the_grace_ends(
+    server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Waiting for the upstream's headers (OpenAI and Anthropic paths) or in a retry's 30 s backoff when
+    # SHUTDOWN_GRACE (0.5 s) ends: each gets the 503 shutting_down of its API at once, the upstream is hung
+    # up on, one access line each. Before: nothing ended them; a server's backstop cut them (uvicorn: 500).
+    caplog.set_level(logging.INFO, logger="asgi_lifetime.access")
+    calls = Calls()
+    with upstream() as up:
+        settings = LifetimeSettings(upstream_url=(up.url,), shutdown_grace=0.5, retry_after_cap=60, retry_deadline=120)
+        app = create_app(settings)
+        try:
+            with served(app, server) as base:
+                calls.start("openai", lambda: ask(base, "/v1/chat/completions", "hold"))
+                calls.start("anthropic", lambda: ask(base, "/v1/messages", "hold", ANTHROPIC))
+                calls.start("backoff", lambda: ask(base, "/v1/chat/completions", "retry"))
+                eventually(lambda: len(up.seen) == 3 and up.count("retry", "closed"), seconds=10, what="three asked")
+                signalled = time.monotonic()
+                request_shutdown()
+                calls.join(10)
+                for name, shape in (("openai", "openai"), ("anthropic", "anthropic"), ("backoff", "openai")):
+                    answered, response = calls.results[name]
+                    assert_shutting_down(response, shape)
+                    assert 0.4 < answered - signalled < 3, name
+                eventually(lambda: up.count("hold", "closed") == 2, seconds=5, what="the upstream hung up on")
+                assert up.seen.count("retry") == 1  # the backoff ended, not followed by an attempt
+        finally:
+            reset_shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.name == "asgi_lifetime.access"]
+    assert len(lines) == 3 and all("status=503 outcome=shutdown code=shutting_down" in line for line in lines), lines
+
+
+# -- asgi-lifetime serve, SIGTERM, 1 and 2 workers -------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serve(up: Upstream, tmp_path: Path, *argv: str) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = clean_env({"PYTHONPATH": str(ROOT)})  # this checkout's package, not the one installed
+    with log.open("wb") as handle:
+        args = ["serve", "--port", str(port), "--upstream", up.url, "--log-level", "info", *argv]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "asgi_lifetime", *args],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            env=env,
+        )
+        base = f"http://127.0.0.1:{port}"
+
+        def up_now() -> bool:
+            assert process.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        try:
+            eventually(up_now, seconds=60, what="the gateway up", every=0.1)
+            yield process, base, log
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+
+
+def raw_exchange(sock: socket.socket, request: bytes) -> bytes:
+    """Send ``request`` on a kept-alive connection; the whole answer (Content-Length framed)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+        data.lower().split(b"content-length:")[1].split(b"\r\n")[0]
+    ):
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: gateway\r\n\r\n"
+CHAT = b'{"model": "quick", "messages": []}'
+POST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\n\r\n%s" % (len(CHAT), CHAT)
+)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_under_serve_answers_every_client_and_exits_0_in_time(tmp_path: Path, workers: int) -> None:
+    drain, grace = 2.0, 1.0
+    calls = Calls()
+    with upstream() as up:
+        argv = ("--workers", str(workers), "--drain-delay", str(drain), "--shutdown-grace", str(grace))
+        with serve(up, tmp_path, *argv) as (process, base, log):
+            idle = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=15)
+            silent = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=15)
+            assert b" 200 " in raw_exchange(idle, HEALTHZ).split(b"\r\n")[0]
+            assert b" 200 " in raw_exchange(silent, HEALTHZ).split(b"\r\n")[0]
+
+            def stream() -> tuple[int, str]:
+                body = {"model": "stream", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+                with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as response:
+                    return response.status_code, response.read().decode()  # raises if the framing is cut
+
+            calls.start("stream", stream)
+            calls.start("waiting", lambda: ask(base, "/v1/messages", "hold", ANTHROPIC))
+            eventually(lambda: len(up.seen) == 2, seconds=10, what="both forwarded")
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            # The kept-alive connection, during DRAIN_DELAY: /healthz says draining, then a request on it
+            # gets 503 + Retry-After + connection: close and the connection ends cleanly (no reset).
+            eventually(lambda: b" 503 " in raw_exchange(idle, HEALTHZ), seconds=drain / 2, what="healthz 503")
+            refused = raw_exchange(idle, POST)
+            head = refused.partition(b"\r\n\r\n")[0].lower()
+            assert (
+                head.startswith(b"http/1.1 503 ") and b"\r\nretry-after: " in head and b"\r\nconnection: close" in head
+            )
+            assert b'"code":"overloaded"' in refused.replace(b" ", b"")
+            assert idle.recv(1) == b""  # closed by the gateway, not reset
+            assert process.wait(drain + grace + SHUTDOWN_BACKSTOP) == 0  # the silent connection held nothing
+            assert time.monotonic() - signalled < drain + grace + 2  # ended by the grace, not the backstop
+            assert silent.recv(1) == b""
+            calls.join(5)
+            idle.close()
+            silent.close()
+    status, text = calls.results["stream"][1]
+    assert status == 200 and text.rstrip().endswith("}") and "event: error" in text and "shutting_down" in text
+    assert_shutting_down(calls.results["waiting"][1], "anthropic")
+    assert up.seen.count("quick") == 0  # refused before forwarding
+    eventually(lambda: up.count("hold", "closed") == 1 and up.count("stream", "closed") == 1, seconds=5, what="hung up")
+    output = log.read_text()
+    assert "Traceback" not in output and "Cancel" not in output, output
+    assert output.count("outcome=shutdown") == 2 and output.count("outcome=refused") == 1, output
+
+
+# -- the official SDKs during a drain ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_sdk_retries_during_a_drain_never_send_a_generation_twice(tmp_path: Path, sdk: str) -> None:
+    # Three calls with the SDK's own retries (2): one answered before SIGTERM; one asked during
+    # DRAIN_DELAY (503 + Retry-After each time: the SDK retries, then raises; the upstream never saw it);
+    # one waiting upstream when the grace ends (503 shutting_down, retried against a server gone: raises).
+    # The upstream sees the answered one and the cut one once each.
+    def call(base: str, model: str) -> Any:
+        if sdk == "openai":
+            client: Any = openai.OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=2, timeout=20)
+            messages = [{"role": "user", "content": "hi"}]
+            return client.chat.completions.create(model=model, messages=messages)
+        client = anthropic.Anthropic(base_url=base, api_key="k", max_retries=2, timeout=20)
+        return client.messages.create(model=model, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+
+    calls = Calls()
+    with upstream() as up:
+        argv = ("--drain-delay", "1.5", "--shutdown-grace", "1", "--admission-timeout", "1")
+        with serve(up, tmp_path, *argv) as (process, base, _):
+            with contextlib.suppress(Exception):  # the upstream answers OpenAI's shape: enough for openai
+                call(base, "quick")
+            calls.start("cut", lambda: call(base, "hold"))
+            eventually(lambda: up.count("hold") == 1, seconds=10, what="forwarded")
+            process.send_signal(signal.SIGTERM)
+            eventually(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 503, seconds=1, what="draining")
+            calls.start("during", lambda: call(base, "during"))
+            calls.join(30)
+            assert process.wait(10) == 0
+    errors = (openai.APIError, anthropic.APIError)
+    assert isinstance(calls.results["cut"][1], errors) and isinstance(calls.results["during"][1], errors)
+    assert up.seen == ["quick", "hold"]
