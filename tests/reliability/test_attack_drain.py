@@ -196,6 +196,56 @@ def test_a_request_waiting_for_its_answer_gets_a_503_when_the_grace_ends(
     assert len(lines) == 3 and all("status=503 outcome=shutdown code=shutting_down" in line for line in lines), lines
 
 
+# -- a client mid-upload when the grace ends ---------------------------------------------------------------
+
+
+def start_upload(port: int) -> socket.socket:
+    """A 10 MB JSON body announced, 1 MB of it sent; the client then pauses (well within BODY_IDLE_TIMEOUT)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+    sock.sendall(head + b"content-length: 10000000\r\n\r\n" + b'{"model": "upload", "x": "' + b"a" * 1_000_000)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def assert_refused_upload(answer: bytes) -> None:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    head = head.lower()
+    assert head.startswith(b"http/1.1 503 ") and b"\r\nconnection: close" in head and b"\r\nretry-after: " in head
+    assert b'"code":"shutting_down"' in body.replace(b" ", b""), answer
+
+
+@pytest.mark.parametrize("server", ["uvicorn-h11", "hypercorn-asyncio", "hypercorn-trio"])
+def test_an_upload_still_arriving_when_the_grace_ends_gets_a_503(server: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the drain ended relays only; the upload held the request until the server's backstop
+    # (uvicorn: a plain-text 500) or the client's own timeout.
+    caplog.set_level(logging.INFO, logger="asgi_lifetime.access")
+    with upstream() as up:
+        app = create_app(LifetimeSettings(upstream_url=(up.url,), shutdown_grace=0.5, body_idle_timeout=60))
+        try:
+            with served(app, server) as base:
+                sock = start_upload(int(base.rsplit(":", 1)[1]))
+                with sock:
+                    lifetime = app.state.lifetime
+                    eventually(lambda: lifetime.stats().inflight_bytes >= 500_000, seconds=10, what="uploading")
+                    signalled = time.monotonic()
+                    request_shutdown()
+                    assert_refused_upload(read_until_closed(sock))
+                    assert 0.4 < time.monotonic() - signalled < 3
+                eventually(lambda: lifetime.stats().idle, seconds=5, what="the gateway idle")
+        finally:
+            reset_shutdown()
+    assert up.seen == []  # never forwarded
+    lines = [r.getMessage() for r in caplog.records if r.name == "asgi_lifetime.access"]
+    assert len(lines) == 1 and "status=503 outcome=refused code=shutting_down" in lines[0], lines
+
+
 # -- asgi-lifetime serve, SIGTERM, 1 and 2 workers -------------------------------------------------------
 
 
@@ -271,6 +321,8 @@ def test_sigterm_under_serve_answers_every_client_and_exits_0_in_time(tmp_path: 
 
             calls.start("stream", stream)
             calls.start("waiting", lambda: ask(base, "/v1/messages", "hold", ANTHROPIC))
+            uploading = start_upload(int(base.rsplit(":", 1)[1]))
+            calls.start("upload", lambda: read_until_closed(uploading))
             eventually(lambda: len(up.seen) == 2, seconds=10, what="both forwarded")
             signalled = time.monotonic()
             process.send_signal(signal.SIGTERM)
@@ -288,16 +340,19 @@ def test_sigterm_under_serve_answers_every_client_and_exits_0_in_time(tmp_path: 
             assert time.monotonic() - signalled < drain + grace + 2  # ended by the grace, not the backstop
             assert silent.recv(1) == b""
             calls.join(5)
-            idle.close()
-            silent.close()
+            for sock in (idle, silent, uploading):
+                sock.close()
     status, text = calls.results["stream"][1]
     assert status == 200 and text.rstrip().endswith("}") and "event: error" in text and "shutting_down" in text
     assert_shutting_down(calls.results["waiting"][1], "anthropic")
-    assert up.seen.count("quick") == 0  # refused before forwarding
+    assert_refused_upload(calls.results["upload"][1])
+    assert up.seen.count("quick") == 0 and up.seen.count("upload") == 0  # refused before forwarding
     eventually(lambda: up.count("hold", "closed") == 1 and up.count("stream", "closed") == 1, seconds=5, what="hung up")
     output = log.read_text()
     assert "Traceback" not in output and "Cancel" not in output, output
-    assert output.count("outcome=shutdown") == 2 and output.count("outcome=refused") == 1, output
+    assert output.count("outcome=shutdown") == 2, output  # the stream and the request waiting for its answer
+    assert output.count("outcome=refused code=overloaded") == 1, output  # asked during DRAIN_DELAY
+    assert output.count("outcome=refused code=shutting_down") == 1, output  # the upload
 
 
 # -- the official SDKs during a drain ----------------------------------------------------------------------
