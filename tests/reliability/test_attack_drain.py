@@ -173,7 +173,15 @@ def test_a_request_waiting_for_its_answer_gets_a_503_when_the_grace_ends(
     caplog.set_level(logging.INFO, logger="asgi_lifetime.access")
     calls = Calls()
     with upstream() as up:
-        settings = LifetimeSettings(upstream_url=(up.url,), shutdown_grace=0.5, retry_after_cap=60, retry_deadline=120)
+        settings = LifetimeSettings(
+            upstream_url=(up.url,),
+            shutdown_grace=0.5,
+            retry_after_cap=60,
+            retry_deadline=120,
+            max_inflight=3,
+            admission_target_delay=0,  # a plain queue: the fourth waits for a slot
+            paths=("/v1/", "/v1beta/"),
+        )
         app = create_app(settings)
         try:
             with served(app, server) as base:
@@ -181,9 +189,16 @@ def test_a_request_waiting_for_its_answer_gets_a_503_when_the_grace_ends(
                 calls.start("anthropic", lambda: ask(base, "/v1/messages", "hold", ANTHROPIC))
                 calls.start("backoff", lambda: ask(base, "/v1/chat/completions", "retry"))
                 eventually(lambda: len(up.seen) == 3 and up.count("retry", "closed"), seconds=10, what="three asked")
+                gemini = f"{base}/v1beta/models/gemini-2.5-flash:generateContent"
+                calls.start("queued", lambda: httpx.post(gemini, json={"contents": []}, timeout=30))
+                eventually(lambda: app.state.lifetime.stats().queued_requests, seconds=10, what="one queued")
                 signalled = time.monotonic()
                 request_shutdown()
                 calls.join(10)
+                # Waiting for a slot: turned away when the drain begins, in Gemini's shape, never forwarded.
+                refused_at, queued = calls.results["queued"]
+                assert queued.status_code == 503 and "retry-after" in queued.headers
+                assert queued.json()["error"]["status"] == "UNAVAILABLE" and refused_at - signalled < 0.4
                 for name, shape in (("openai", "openai"), ("anthropic", "anthropic"), ("backoff", "openai")):
                     answered, response = calls.results[name]
                     assert_shutting_down(response, shape)
@@ -193,7 +208,8 @@ def test_a_request_waiting_for_its_answer_gets_a_503_when_the_grace_ends(
         finally:
             reset_shutdown()
     lines = [r.getMessage() for r in caplog.records if r.name == "asgi_lifetime.access"]
-    assert len(lines) == 3 and all("status=503 outcome=shutdown code=shutting_down" in line for line in lines), lines
+    assert len(lines) == 4 and sum("status=503 outcome=shutdown code=shutting_down" in line for line in lines) == 3
+    assert any("status=503 outcome=refused code=overloaded" in line for line in lines), lines
 
 
 # -- a client mid-upload when the grace ends ---------------------------------------------------------------
@@ -388,3 +404,82 @@ def test_sdk_retries_during_a_drain_never_send_a_generation_twice(tmp_path: Path
     errors = (openai.APIError, anthropic.APIError)
     assert isinstance(calls.results["cut"][1], errors) and isinstance(calls.results["during"][1], errors)
     assert up.seen == ["quick", "hold"]
+
+
+# -- other servers: the drain is theirs (docs/operators.md says what a client gets) -------------------------
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "hypercorn-asyncio", "hypercorn-trio"])
+def test_under_another_server_what_outlives_its_timeout_is_cut_never_a_complete_200(
+    tmp_path: Path, server: str
+) -> None:
+    # Plain uvicorn --factory / hypercorn call the gateway's lifespan shutdown only after their own wait:
+    # SHUTDOWN_GRACE (0.5 s) does not apply. At the server's timeout (2 s) the stream is cut (its chunked
+    # body incomplete: a client raises, never reads a complete answer) and the upstream hung up on.
+    port = free_port()
+    timeout = 2
+    with upstream() as up:
+        env = clean_env(
+            {"PYTHONPATH": str(ROOT), "ASGI_LIFETIME_UPSTREAM_URL": up.url, "ASGI_LIFETIME_SHUTDOWN_GRACE": "0.5"}
+        )
+        if server == "uvicorn":
+            factory = ["uvicorn", "--factory", "asgi_lifetime.gateway:create_app", "--port", str(port)]
+            command = [*factory, "--timeout-graceful-shutdown", str(timeout)]
+        else:
+            worker = server.removeprefix("hypercorn-")
+            bind = ["--worker-class", worker, "--graceful-timeout", str(timeout), "-b", f"127.0.0.1:{port}"]
+            command = ["hypercorn", *bind, "asgi_lifetime.gateway:create_app()"]
+        log = tmp_path / "server.log"
+        with log.open("wb") as handle:
+            process = subprocess.Popen(
+                [sys.executable, "-m", *command], stdout=handle, stderr=subprocess.STDOUT, cwd=tmp_path, env=env
+            )
+            try:
+                base = f"http://127.0.0.1:{port}"
+
+                def ready() -> bool:
+                    assert process.poll() is None, log.read_text()
+                    with contextlib.suppress(httpx.TransportError):
+                        return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+                    return False
+
+                eventually(ready, seconds=60, what="the server up", every=0.1)
+                body = {"model": "stream", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+                with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as response:
+                    chunks = response.iter_bytes()
+                    assert b"data: " in next(chunks)
+                    signalled = time.monotonic()
+                    process.send_signal(signal.SIGTERM)
+                    with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+                        for _ in chunks:
+                            pass
+                    cut_after = time.monotonic() - signalled
+                assert timeout - 0.5 < cut_after < timeout + 3  # the server's timeout, not SHUTDOWN_GRACE
+                # uvicorn re-raises SIGTERM once it has shut down: the status a shell shows as 143
+                assert process.wait(10) == (-signal.SIGTERM if server == "uvicorn" else 0)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(10)
+    eventually(lambda: up.count("stream", "closed") == 1, seconds=5, what="the upstream hung up on")
+
+
+def test_sigint_during_the_grace_force_quits_and_cuts_the_stream_visibly(tmp_path: Path) -> None:
+    # Ctrl-C after SIGTERM (uvicorn's "CTRL+C to force quit"): no grace is waited for, the stream is cut
+    # with its chunked body incomplete (never a complete 200), the upstream hung up on, and the status is 0.
+    with upstream() as up:
+        with serve(up, tmp_path, "--drain-delay", "0", "--shutdown-grace", "30") as (process, base, log):
+            body = {"model": "stream", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as response:
+                chunks = response.iter_bytes()
+                assert b"data: " in next(chunks)
+                process.send_signal(signal.SIGTERM)
+                eventually(lambda: "Waiting for connections to close" in log.read_text(), seconds=5, what="draining")
+                signalled = time.monotonic()
+                process.send_signal(signal.SIGINT)
+                with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+                    for _ in chunks:
+                        pass
+                assert time.monotonic() - signalled < 5
+            assert process.wait(10) == 0
+    eventually(lambda: up.count("stream", "closed") == 1, seconds=5, what="the upstream hung up on")
