@@ -73,7 +73,7 @@ class Upstream:
             with self.lock:
                 self.seen.append(model)
             try:
-                self.answer(sock, model)
+                self.answer(sock, model, anthropic=head.startswith(b"POST /v1/messages"))
                 while sock.recv(65536):  # until the gateway hangs up
                     pass
             except OSError:
@@ -81,7 +81,7 @@ class Upstream:
             with self.lock:
                 self.closed.append(model)
 
-    def answer(self, sock: socket.socket, model: str) -> None:
+    def answer(self, sock: socket.socket, model: str, *, anthropic: bool) -> None:
         if model == "retry":
             body = b'{"error": {"message": "busy"}}'
             sock.sendall(
@@ -93,6 +93,18 @@ class Upstream:
             event = (
                 b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
             )
+            if anthropic:
+                start = (
+                    b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","type":"message",'
+                    b'"role":"assistant","model":"m","content":[],"stop_reason":null,"usage":{"input_tokens":1,'
+                    b'"output_tokens":0}}}\n\nevent: content_block_start\ndata: {"type":"content_block_start",'
+                    b'"index":0,"content_block":{"type":"text","text":""}}\n\n'
+                )
+                sock.sendall(b"%x\r\n%s\r\n" % (len(start), start))
+                event = (
+                    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+                    b'"delta":{"type":"text_delta","text":"x"}}\n\n'
+                )
             while True:
                 sock.sendall(b"%x\r\n%s\r\n" % (len(event), event))
                 time.sleep(0.05)
@@ -376,17 +388,20 @@ def test_sigterm_under_serve_answers_every_client_and_exits_0_in_time(tmp_path: 
 
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
 def test_sdk_retries_during_a_drain_never_send_a_generation_twice(tmp_path: Path, sdk: str) -> None:
-    # Three calls with the SDK's own retries (2): one answered before SIGTERM; one asked during
+    # Four calls with the SDK's own retries (2): one answered before SIGTERM; one asked during
     # DRAIN_DELAY (503 + Retry-After each time: the SDK retries, then raises; the upstream never saw it);
-    # one waiting upstream when the grace ends (503 shutting_down, retried against a server gone: raises).
-    # The upstream sees the answered one and the cut one once each.
-    def call(base: str, model: str) -> Any:
+    # one waiting upstream when the grace ends (503 shutting_down, retried against a server gone: raises);
+    # one streaming when the grace ends (the in-band error: the SDK raises). The upstream sees the
+    # answered one, the cut one and the stream once each.
+    def call(base: str, model: str, stream: bool = False) -> Any:
+        messages = [{"role": "user", "content": "hi"}]
         if sdk == "openai":
             client: Any = openai.OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=2, timeout=20)
-            messages = [{"role": "user", "content": "hi"}]
-            return client.chat.completions.create(model=model, messages=messages)
-        client = anthropic.Anthropic(base_url=base, api_key="k", max_retries=2, timeout=20)
-        return client.messages.create(model=model, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+            answer = client.chat.completions.create(model=model, messages=messages, stream=stream)
+        else:
+            client = anthropic.Anthropic(base_url=base, api_key="k", max_retries=2, timeout=20)
+            answer = client.messages.create(model=model, max_tokens=5, messages=messages, stream=stream)
+        return [event for event in answer] if stream else answer  # a stream read to its end
 
     calls = Calls()
     with upstream() as up:
@@ -395,7 +410,8 @@ def test_sdk_retries_during_a_drain_never_send_a_generation_twice(tmp_path: Path
             with contextlib.suppress(Exception):  # the upstream answers OpenAI's shape: enough for openai
                 call(base, "quick")
             calls.start("cut", lambda: call(base, "hold"))
-            eventually(lambda: up.count("hold") == 1, seconds=10, what="forwarded")
+            calls.start("streamed", lambda: call(base, "stream", stream=True))
+            eventually(lambda: up.count("hold") == 1 and up.count("stream") == 1, seconds=10, what="forwarded")
             process.send_signal(signal.SIGTERM)
             eventually(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 503, seconds=1, what="draining")
             calls.start("during", lambda: call(base, "during"))
@@ -403,7 +419,9 @@ def test_sdk_retries_during_a_drain_never_send_a_generation_twice(tmp_path: Path
             assert process.wait(10) == 0
     errors = (openai.APIError, anthropic.APIError)
     assert isinstance(calls.results["cut"][1], errors) and isinstance(calls.results["during"][1], errors)
-    assert up.seen == ["quick", "hold"]
+    assert isinstance(calls.results["streamed"][1], errors)  # the in-band shutting_down, raised: not a whole answer
+    assert "shutting down" in str(calls.results["streamed"][1])
+    assert sorted(up.seen) == ["hold", "quick", "stream"]
 
 
 # -- other servers: the drain is theirs (docs/operators.md says what a client gets) -------------------------
@@ -483,3 +501,15 @@ def test_sigint_during_the_grace_force_quits_and_cuts_the_stream_visibly(tmp_pat
                 assert time.monotonic() - signalled < 5
             assert process.wait(10) == 0
     eventually(lambda: up.count("stream", "closed") == 1, seconds=5, what="the upstream hung up on")
+
+
+def test_a_sigint_to_the_parent_of_workers_reaches_them_as_sigterm(tmp_path: Path) -> None:
+    # uvicorn's supervisor stops its workers with SIGTERM whatever it got: `kill -INT` of the parent does
+    # not skip DRAIN_DELAY there (docs/operators.md says so); the workers drain, then all exit 0.
+    with upstream() as up:
+        with serve(up, tmp_path, "--workers", "2", "--drain-delay", "2") as (process, base, _):
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGINT)
+            eventually(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 503, seconds=2, what="draining")
+            assert process.wait(15) == 0
+            assert time.monotonic() - signalled > 2
