@@ -46,7 +46,7 @@ from ._prepare import Preparer, is_without_parse
 from ._refold import Conversation, Refold, default_refold
 from ._refusals import Refusals
 from ._session_store import RedisSessionBook, make_session_book
-from ._shutdown import StopSignal, grace_starts_at, shutdown_requested
+from ._shutdown import StopSignal, StopUploads, grace_starts_at, shutdown_requested
 from ._upstream import AttemptEvent, UpstreamClient
 from ._workers import Report, WorkerStats
 
@@ -185,6 +185,8 @@ def create_app(
             ),
             # Then: a head that cannot be forwarded is refused before admission or body reading.
             Middleware(RequestHead, lifetime=lifetime),
+            # Then: a body still arriving when the drain's grace ends is refused.
+            Middleware(StopUploads, stop=lambda: drain.stop),
             Middleware(LifetimeMiddleware, lifetime=lifetime, handoff_parsed=_handoff(preparers, refold_factory)),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},

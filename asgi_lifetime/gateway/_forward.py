@@ -8,17 +8,19 @@ then), never in a local of a frame that stays suspended while the answer streams
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import anyio
 import httpx
 from starlette.types import Receive, Scope, Send
 
 from .._asgi import OWS, is_json, send_error, task_group, upstream_path
-from .._exceptions import LifetimeError, MalformedBody, error_shape
+from .._exceptions import AdmissionRejected, LifetimeError, MalformedBody, error_shape
 from .._middleware import Lifetime, RequestLifetime
 from .._resources import RequestResources, Resource
 from ._bookkeeping import Bookkeeper, Claim, Outcome, SessionBook, record_outcome
@@ -133,6 +135,8 @@ class Forwarder:
             )
         except LifetimeError as exc:
             status, code = exc.status_code, exc.code
+            if code == "shutting_down":  # ended by the drain before any answer, as a relay's would be
+                outcome = "shutdown"
             await send_error(scope, send, exc)
         finally:
             finished = Outcome(
@@ -261,18 +265,27 @@ class Forwarder:
         retries and backoff must not outlive the client that asked for them."""
         response: httpx.Response | None = None
         error: LifetimeError | None = None
+        # A drain out of grace ends the wait for the answer too (its headers, a retry's backoff, a refold),
+        # as it ends a relay: left to the server's backstop, the request got its plain-text 500.
+        stopped = anyio.CancelScope()
+        stopping = self.stop.cancels(stopped) if self.stop is not None else contextlib.nullcontext()
         with watch.over():
             try:
-                response = await self.upstream.forward(prepared, on_retries_settled=held.release, session_id=session_id)
-                if response.status_code >= 400:
-                    # Read here, where a client leaving is noticed: the read stops, the upstream is closed.
-                    response = await self.upstream.capped(response)
+                with stopped, stopping:
+                    response = await self.upstream.forward(
+                        prepared, on_retries_settled=held.release, session_id=session_id
+                    )
+                    if response.status_code >= 400:
+                        # Read here, where a client leaving is noticed: the read stops, the upstream is closed.
+                        response = await self.upstream.capped(response)
             except LifetimeError as exc:
                 error = exc.with_traceback(None)  # a kept traceback would keep the retry loop's frames
-        if watch.gone:
-            if response is not None:  # answered in the same moment the client left
+        if watch.gone or stopped.cancelled_caught:
+            if response is not None:  # answered in the same moment the client left (or the grace ended)
                 await close_response(response)
-            return None
+            if watch.gone:
+                return None
+            raise AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
         if error is not None:
             raise error
         return response

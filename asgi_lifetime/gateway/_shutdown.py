@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import anyio
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["StopSignal", "grace_starts_at", "request_shutdown", "reset_shutdown", "shutdown_requested"]
+from .._exceptions import AdmissionRejected
+
+__all__ = ["StopSignal", "StopUploads", "grace_starts_at", "request_shutdown", "reset_shutdown", "shutdown_requested"]
 
 _requested = threading.Event()
 _grace_starts = 0.0
@@ -86,3 +89,39 @@ class StopSignal:
             yield
         finally:
             self._scopes.discard(scope)
+
+
+class StopUploads:
+    """Pure ASGI, outside ``LifetimeMiddleware``: a request body still arriving when ``stop`` is set
+    (graceful shutdown out of grace) is refused like one arriving at a draining gateway, a 503
+    ``shutting_down`` (``connection: close``: its rest is never read), as ``stop`` ends the wait for
+    an answer and the relays. Left to the server's backstop, the upload got its plain-text 500.
+
+    ```python
+    app = StopUploads(LifetimeMiddleware(forwarder, lifetime=lifetime), stop=lambda: drain.stop)
+    ```
+    """
+
+    def __init__(self, app: ASGIApp, *, stop: Callable[[], StopSignal | None]) -> None:
+        self.app = app
+        self._stop = stop  # a getter: the signal is made by the lifespan, after the middleware
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stop = self._stop()
+        if scope["type"] != "http" or stop is None:
+            await self.app(scope, receive, send)
+            return
+        arrived = False  # the body's last message (or the client's leaving) went by: nothing more to end
+
+        async def receiving() -> Message:
+            nonlocal arrived
+            if arrived:
+                return await receive()
+            with anyio.CancelScope() as cut, stop.cancels(cut):
+                message = await receive()  # a server's receive() loses nothing by being cancelled
+                arrived = message["type"] != "http.request" or not message.get("more_body", False)
+                return message
+            arrived = True  # the refusal's own reads (HTTP/2 drops the rest) are not refused again
+            raise AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
+
+        await self.app(scope, receiving, send)
