@@ -304,7 +304,7 @@ class Closing(httpx.AsyncByteStream):
 
 class AnswersAsTheGraceEnds(httpx.AsyncBaseTransport):
     """The upstream: its headers come in the step the stop is set (``when="headers"``), or it is an error
-    whose body is being read when it is set (``when="error-body"``)."""
+    whose body is being read when it is set (``when="error-body"``: a 400; ``"retried-error-body"``: a 503)."""
 
     def __init__(self, when: str) -> None:
         self.when = when
@@ -322,9 +322,9 @@ class AnswersAsTheGraceEnds(httpx.AsyncBaseTransport):
             body = Closing([b'{"id": "c", "choices": []}'], None, stop)
             stop().set()  # in the same step the headers are handed back
             status = 200
-        else:
+        else:  # a 400 is read by the forwarder, a 503 by the retry loop (for Google's RetryInfo)
             body = Closing([b'{"error": {"message": "', b"busy", b'"}}'], 1, stop)
-            status = 400
+            status = 400 if self.when == "error-body" else 503
         self.bodies.append(body)
         return httpx.Response(status, headers={"content-type": "application/json"}, stream=body)
 
@@ -334,7 +334,7 @@ class AnswersAsTheGraceEnds(httpx.AsyncBaseTransport):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("when", ["headers", "error-body"])
+@pytest.mark.parametrize("when", ["headers", "error-body", "retried-error-body"])
 async def test_an_answer_arriving_as_the_grace_ends_gives_one_503_and_closes_the_upstream(
     when: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -368,6 +368,9 @@ STATUS_LINES = {
     b"HTTP/1.1 200 a\x00b": 502,  # NUL in the reason phrase
     b"HTTP/1.1 200 a\rb": 502,  # a bare CR in it
     b"HTTP/1.1 200 \x80\xff obs-text": 200,  # allowed (RFC 9112 4)
+    # Interim answers before the final one are valid: skipped, the final one relayed.
+    b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\nHTTP/1.1 200 OK": 200,
+    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 200 OK": 200,
 }
 
 
