@@ -38,6 +38,7 @@ import anthropic
 import anyio
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import httpx
 import openai
@@ -137,6 +138,11 @@ class H2Client:
                 if not body:
                     return
 
+    def reset(self, sid: int) -> None:
+        with self.changed:
+            self.conn.reset_stream(sid, error_code=h2.errors.ErrorCodes.CANCEL)
+            self.sock.sendall(self.conn.data_to_send())
+
     def wait(self, condition: Any, what: str) -> None:
         with self.changed:
             if not self.changed.wait_for(lambda: condition(self.streams), timeout=10):
@@ -175,14 +181,18 @@ def test_http2_streams_uploading_when_the_grace_ends_each_get_one_answer(
                     big = client.open(head, length=limit + 10_000, end=False)
                     sized = client.open(head + b"a" * 20_000, length=len(head) + 20_002, end=False)
                     chunked = client.open(head + b"a" * 20_000, end=False)
+                    abandoned = client.open(head + b"a" * 1_000, end=False)
                     client.wait(lambda s: s[big]["status"] == 413 and s[neighbour]["status"] == 200, "413, stream")
                     eventually(lambda: app.state.lifetime.stats().inflight_bytes >= 40_000, seconds=10, what="read")
                     request_shutdown()
-                    client.wait(lambda s: s[sized]["status"] == s[chunked]["status"] == 503, "the uploads refused")
+                    client.wait(
+                        lambda s: s[sized]["status"] == s[chunked]["status"] == s[abandoned]["status"] == 503, "refused"
+                    )
                     client.wait(lambda s: s[neighbour]["ended"], "the neighbour ended")
                     assert SHUTTING_DOWN in client.streams[neighbour]["data"].replace(b" ", b"")
-                    for sid in (sized, chunked):
+                    for sid in (sized, chunked, abandoned):
                         assert SHUTTING_DOWN in client.streams[sid]["data"].replace(b" ", b"")
+                    client.reset(abandoned)  # this client gives up on its upload instead
                     # The clients send the rest of their bodies: each answer ends, on the same connection.
                     client.send(sized, b'"}', end=True)
                     client.send(chunked, b'"}', end=True)
@@ -201,8 +211,8 @@ def test_http2_streams_uploading_when_the_grace_ends_each_get_one_answer(
     assert up.seen == ["stream"]  # no upload was forwarded
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     lines = [r.getMessage() for r in caplog.records if r.name == "asgi_lifetime.access"]
-    assert len(lines) == 5, lines  # one a request
-    assert sum("status=503 outcome=refused code=shutting_down" in line for line in lines) == 2, lines
+    assert len(lines) == 6, lines  # one a request
+    assert sum("status=503 outcome=refused code=shutting_down" in line for line in lines) == 3, lines
 
 
 # -- HTTP/1.1 uploads of every kind when the grace ends ---------------------------------------------------
