@@ -8,20 +8,22 @@ Found here:
 - over HTTP/2 a refusal that reads the rest of the body before ending its stream (a 413 on the
   declared length: hypercorn fails the connection if a stream ends while its client still sends)
   was refused again by ``StopUploads`` when the grace ended: its 503 raised out of the 413 already
-  started, a traceback, and the 413's stream never ended (the client's body, sent in full, got no end
-  of the answer). ``StopUploads`` refuses only while no response has started.
+  started, a traceback; the 413's stream never ended, and when its client sent the rest hypercorn
+  failed the connection, cutting the other refused upload's stream. ``StopUploads`` refuses only
+  while no response has started.
 - ``UPSTREAM_TRANSPORT=aiohttp``: an upstream answering ``HTTP/1.1 101`` without an upgrade had its
   101 relayed as the final answer (aiohttp hands it back as the response; 100-599 passed the range
   check): uvicorn h11 dropped the client's connection with nothing sent, httptools raised ("Response
   content shorter than Content-Length") with a 101 on the wire. A final status is 200-599.
 
-Held up (kept as tests): beside a streaming neighbour on the same h2c connection, each upload gets
-its 503 and ends, the neighbour its in-band ``shutting_down``, the connection stays up; ``Expect:
-100-continue``, chunked and silent uploads get the 503 with ``connection: close``; a body whose last
-message arrives in the step the grace ends is not refused; an upstream answering (headers, or its
-error body being read) in the step the grace ends gives one 503, the upstream response closed, one
-access line, counted as 503, nothing held; statuses 000, 099, 100, 199, 0999, 600 and reason
-phrases with NUL or CR are 502 on both transports and both uvicorn parsers, obs-text relayed; the
+Held up (kept as tests): beside a streaming neighbour on the same h2c connection, each upload gets its
+503 and ends (or is reset by its client, quietly), the neighbour its in-band ``shutting_down``, the
+connection stays up; ``Expect: 100-continue``, chunked and silent uploads get the 503 with ``connection:
+close``; a body whose last message arrives in the step the grace ends is not refused; an upstream
+answering (headers, or its error body being read, by the forwarder or the retry loop) in the step the
+grace ends gives one 503, the upstream response closed, one access line, counted as 503, nothing held;
+statuses 000, 099, 100, 199, 0999, 600 and reason phrases with NUL or CR are 502 on both transports and
+both uvicorn parsers, obs-text relayed, interim 100/102/103 answers skipped for the final one; the
 openai and anthropic SDKs (``max_retries=2``) do not multiply the upstream's attempts on those 502s.
 """
 
