@@ -362,8 +362,8 @@ async def test_an_answer_arriving_as_the_grace_ends_gives_one_503_and_closes_the
         eventually(lambda: requests_by_status(scrape(base)) == {503: 1}, seconds=5, what="counted once, as 503")
         await assert_idle(app, base)
     lines = [r.getMessage() for r in caplog.records if r.name == "asgi_lifetime.access"]
-    # The relay's own 503 (the headers case) names no code in the line, as none of its endings does.
-    assert len(lines) == 1 and "status=503 outcome=shutdown " in lines[0], lines
+    # Before, the relay's own 503 (the headers case) said code=-, the line of a relayed upstream answer.
+    assert len(lines) == 1 and "status=503 outcome=shutdown code=shutting_down " in lines[0], lines
 
 
 # -- upstream statuses outside 200-599, odd reason phrases --------------------------------------------------
