@@ -15,6 +15,8 @@ Found here:
   101 relayed as the final answer (aiohttp hands it back as the response; 100-599 passed the range
   check): uvicorn h11 dropped the client's connection with nothing sent, httptools raised ("Response
   content shorter than Content-Length") with a 101 on the wire. A final status is 200-599.
+- an upstream's headers arriving in the step the grace ends: the relay sent the 503 ``shutting_down``
+  itself and the access line said ``code=-`` (a relayed answer's mark); it names the code now.
 
 Held up (kept as tests): beside a streaming neighbour on the same h2c connection, each upload gets its
 503 and ends (or is reset by its client, quietly), the neighbour its in-band ``shutting_down``, the
