@@ -127,11 +127,12 @@ class Forwarder:
             if result is None:  # the client left while retries were running
                 status, outcome = 499, "client_disconnected"
                 return
-            status, outcome, bytes_out, first_byte_at = (
+            status, outcome, bytes_out, first_byte_at, code = (
                 result.status,
                 result.outcome,
                 result.bytes_out,
                 result.first_byte_at,
+                result.code,
             )
         except LifetimeError as exc:
             status, code = exc.status_code, exc.code

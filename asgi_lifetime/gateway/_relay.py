@@ -124,7 +124,8 @@ class RelayResult:
 
     ``status`` is the status sent to the client (499 if it left before anything was sent);
     ``bytes_out`` counts body bytes sent, keep-alives and error bodies included;
-    ``first_byte_at`` is the ``time.monotonic()`` of the first upstream byte.
+    ``first_byte_at`` is the ``time.monotonic()`` of the first upstream byte; ``code`` is the error's
+    code when the client got a JSON error of the gateway's own instead of the upstream's answer.
     """
 
     status: int
@@ -132,6 +133,7 @@ class RelayResult:
     first_byte_at: float | None
     outcome: Ending
     reissued: bool
+    code: str | None = None
 
 
 def filter_headers(headers: Iterable[tuple[bytes, bytes]] | httpx.Headers) -> list[tuple[bytes, bytes]]:
@@ -226,6 +228,7 @@ class _Relay:
         self.bytes_out = 0
         self.first_byte_at: float | None = None
         self.reissued = False
+        self.code: str | None = None  # the gateway's own JSON error was the answer (the access log says which)
         self.disconnected = False
         # The last body message was handed to the server: a disconnect from then on (servers
         # report one as soon as the response is complete) does not cut the response short.
@@ -293,7 +296,7 @@ class _Relay:
             # SDK closes at [DONE], often before the upstream's end of body arrives).
             outcome = "complete" if answered else "client_disconnected"
         status = self.status or _CLIENT_DISCONNECTED_STATUS
-        return RelayResult(status, self.bytes_out, self.first_byte_at, outcome, self.reissued)
+        return RelayResult(status, self.bytes_out, self.first_byte_at, outcome, self.reissued, self.code)
 
     async def _watched(self, response: httpx.Response, watch: ClientWatch) -> tuple[Ending, Exception | None]:
         """Relay under ``watch``: a disconnect cancels it, and the watch sends its keep-alives. ``stop`` needs
@@ -679,6 +682,7 @@ class _Relay:
             self._drop_held()
             if not self.started:
                 self.start, body = exc.asgi_response(shape=self.error_shape)
+                self.code = exc.code
                 await self._send_body(body, more_body=False)
             elif self.passthrough:
                 # The client is inside an event: an error event would complete a half event. Leave the

@@ -95,7 +95,8 @@ class StopUploads:
     """Pure ASGI, outside ``LifetimeMiddleware``: a request body still arriving when ``stop`` is set
     (graceful shutdown out of grace) is refused like one arriving at a draining gateway, a 503
     ``shutting_down`` (``connection: close``: its rest is never read), as ``stop`` ends the wait for
-    an answer and the relays. Left to the server's backstop, the upload got its plain-text 500.
+    an answer and the relays. Left to the server's backstop, the upload got its plain-text 500. Once a
+    response has started (a refusal reading the rest of the body, as HTTP/2 needs) nothing is refused.
 
     ```python
     app = StopUploads(LifetimeMiddleware(forwarder, lifetime=lifetime), stop=lambda: drain.stop)
@@ -112,16 +113,21 @@ class StopUploads:
             await self.app(scope, receive, send)
             return
         arrived = False  # the body's last message (or the client's leaving) went by: nothing more to end
+        answered = False  # a response started (a refusal reading the rest, HTTP/2): a 503 now would be a second
+
+        async def sending(message: Message) -> None:
+            nonlocal answered
+            answered = True
+            await send(message)
 
         async def receiving() -> Message:
             nonlocal arrived
-            if arrived:
+            if arrived or answered:
                 return await receive()
             with anyio.CancelScope() as cut, stop.cancels(cut):
                 message = await receive()  # a server's receive() loses nothing by being cancelled
                 arrived = message["type"] != "http.request" or not message.get("more_body", False)
                 return message
-            arrived = True  # the refusal's own reads (HTTP/2 drops the rest) are not refused again
             raise AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
 
-        await self.app(scope, receiving, send)
+        await self.app(scope, receiving, sending)

@@ -642,10 +642,11 @@ class UpstreamClient:
             release()
             raise
         self._pool.mark_up(base)
-        if not 100 <= response.status_code <= 599:
-            # No valid status lies outside 100-599 (RFC 9110 15), and the server in front of the gateway may
-            # not send one (uvicorn with httptools raised: the client's connection dropped, nothing answered):
-            # a malformed answer, as one h11 or aiohttp refuses to parse.
+        if not 200 <= response.status_code <= 599:
+            # No valid final status lies outside 200-599 (RFC 9110 15: a 1xx is interim, never the answer; aiohttp
+            # hands back a 101 without an upgrade as one), and the server in front of the gateway may not send one
+            # (uvicorn raised: the client's connection dropped, nothing answered): a malformed answer, as one h11
+            # or aiohttp refuses to parse.
             try:
                 await response.aclose()
             finally:
@@ -653,7 +654,7 @@ class UpstreamClient:
             # It answered: it may have done the work, so only what is safe to send twice is retried.
             return _Failure(
                 timeout=False,
-                reason=f"status {response.status_code} outside 100-599",
+                reason=f"status {response.status_code} outside 200-599",
                 retryable=resend_safe(request.method, body_sent=True),
             )
         _framed(response, self._scrubber)
