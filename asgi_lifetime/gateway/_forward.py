@@ -20,7 +20,7 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from .._asgi import OWS, is_json, send_error, task_group, upstream_path
-from .._exceptions import AdmissionRejected, LifetimeError, MalformedBody, error_shape
+from .._exceptions import LifetimeError, MalformedBody, error_shape
 from .._middleware import Lifetime, RequestLifetime
 from .._resources import RequestResources, Resource
 from ._bookkeeping import Bookkeeper, Claim, Outcome, SessionBook, record_outcome
@@ -29,7 +29,7 @@ from ._memory import trim_after_large_request
 from ._prepare import Prepared, Preparer, prepare
 from ._refold import Conversation, Refold, default_refold
 from ._relay import ClientWatch, RelayResult, filter_headers, relay
-from ._shutdown import StopSignal
+from ._shutdown import StopSignal, shutting_down
 from ._spill import spill
 from ._transport import close_response
 from ._upstream import UpstreamClient
@@ -286,7 +286,7 @@ class Forwarder:
                 await close_response(response)
             if watch.gone:
                 return None
-            raise AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
+            raise shutting_down()
         if error is not None:
             raise error
         return response

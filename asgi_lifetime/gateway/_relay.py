@@ -63,7 +63,6 @@ from starlette.types import Message, Receive, Send
 
 from .._asgi import FIELD_NAME, task_group, wait_disconnect
 from .._exceptions import (
-    AdmissionRejected,
     ErrorShape,
     LifetimeError,
     UpstreamError,
@@ -74,7 +73,7 @@ from .._exceptions import (
 from .._settings import check_argument, positive
 from .._stats import Counters
 from ._bookkeeping import Ending
-from ._shutdown import StopSignal
+from ._shutdown import StopSignal, shutting_down
 from ._sse import BOM, DIALECTS, MAX_BUFFER, SSETracker, sse_event
 from ._transport import close_response, stop_reading
 
@@ -310,9 +309,7 @@ class _Relay:
                     outcome = await self._relay(response)
                 if self.stop_scope.cancelled_caught:
                     # Graceful shutdown ran out of grace: end the stream with a clear error.
-                    await self._fail(
-                        AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
-                    )
+                    await self._fail(shutting_down())
                     outcome = "shutdown"
             except Exception as exc:  # raised by run(), after the closes (and out of any task group)
                 error = exc

@@ -25,7 +25,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._exceptions import AdmissionRejected
 
-__all__ = ["StopSignal", "StopUploads", "grace_starts_at", "request_shutdown", "reset_shutdown", "shutdown_requested"]
+__all__ = [
+    "StopSignal",
+    "StopUploads",
+    "grace_starts_at",
+    "request_shutdown",
+    "reset_shutdown",
+    "shutdown_requested",
+    "shutting_down",
+]
 
 _requested = threading.Event()
 _grace_starts = 0.0
@@ -56,6 +64,12 @@ def grace_starts_at() -> float:
 def reset_shutdown() -> None:
     """Clear the flag (tests, or an embedding that restarts a server in-process)."""
     _requested.clear()
+
+
+def shutting_down() -> AdmissionRejected:
+    """What a request still open when the drain's grace ends gets (503 ``shutting_down``, ``Retry-After``):
+    its upload, its wait for the answer and its relay are ended with this one error."""
+    return AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
 
 
 class StopSignal:
@@ -128,6 +142,6 @@ class StopUploads:
                 message = await receive()  # a server's receive() loses nothing by being cancelled
                 arrived = message["type"] != "http.request" or not message.get("more_body", False)
                 return message
-            raise AdmissionRejected("the gateway is shutting down; retry the request", code="shutting_down")
+            raise shutting_down()
 
         await self.app(scope, receiving, sending)
