@@ -69,12 +69,16 @@ class _InputCharge:
 class _Exchange:
     """What forwarding and relaying one request tell its bookkeeping, filled in as they go."""
 
-    __slots__ = ("attempts", "upstream", "result")
+    __slots__ = ("attempts", "upstream", "result", "started")
 
     def __init__(self) -> None:
         self.attempts = 0
         self.upstream: str | None = None
         self.result: RelayResult | None = None  # None: the client left before the relay
+        self.started = 0  # the status of the answer the relay started, 0 before
+
+    def start(self, status: int) -> None:
+        self.started = status
 
 
 class Forwarder:
@@ -139,6 +143,11 @@ class Forwarder:
             if code == "shutting_down":  # ended by the drain before any answer, as a relay's would be
                 outcome = "shutdown"
             await send_error(scope, send, exc)
+        except Exception:
+            # A defect escaped (the app's handler logs it, and answers 500 if nothing was sent yet): the
+            # record says what the client got, not the status 0 of an answer it never learned.
+            status = exchange.started or 500
+            raise
         finally:
             finished = Outcome(
                 fingerprint=state.fingerprint,
@@ -180,7 +189,7 @@ class Forwarder:
             # Closed when the request settles, whatever happens below. Most often the relay read it to its end
             # and it is closed by then: its aclose() would do nothing, and awaiting it costs a shielded scope.
             resources.add(lambda: None if response.is_closed else response.aclose())
-            exchange.result = await self._relay(scope, watch, send, response, prepared, session_id)
+            exchange.result = await self._relay(scope, watch, send, response, prepared, session_id, exchange.start)
         finally:
             # Also when every attempt failed, the client left meanwhile, or a starved stream was re-issued:
             # the upstream tried last is named whether or not it answered (which one failed, for the operator).
@@ -195,6 +204,7 @@ class Forwarder:
         response: httpx.Response,
         prepared: Prepared,
         session_id: str | None,
+        on_start: Callable[[int], None],
     ) -> RelayResult:
         """Relay ``response``, keeping the retained outbound body (in memory, or on disk as soon as it
         is written there) for one re-issue until the relay ends."""
@@ -215,6 +225,7 @@ class Forwarder:
                 keepalive_interval=self.settings.keepalive_interval,
                 reissue=reissue if prepared.has_body else None,
                 counters=self.lifetime.counters,
+                on_start=on_start,
                 stop=self.stop,
                 error_shape=error_shape(scope["path"], scope["headers"]),
             )

@@ -203,7 +203,7 @@ class _Relay:
         keepalive_interval: float,
         reissue: Callable[[], Awaitable[httpx.Response | None]] | None,
         counters: Counters | None,
-        on_first_byte: Callable[[], None] | None,
+        on_start: Callable[[int], None] | None,
         stop: StopSignal | None = None,
         error_shape: ErrorShape = "openai",
     ) -> None:
@@ -216,7 +216,7 @@ class _Relay:
         self.keepalive_interval = keepalive_interval
         self.reissue = reissue
         self.counters = counters
-        self.on_first_byte = on_first_byte
+        self.on_start = on_start
         # The keep-alive task and the main task send under it. fast_acquire: an uncontended acquire does
         # not yield to the event loop (anyio's default sleeps once, shielded, per acquire: a loop turn per
         # chunk relayed); the main task yields at each upstream read anyway.
@@ -579,8 +579,6 @@ class _Relay:
             await anyio.lowlevel.checkpoint()  # let the other requests move (see _CHUNKS_PER_TURN)
         if self.first_byte_at is None:
             self.first_byte_at = time.monotonic()
-            if self.on_first_byte is not None:
-                self.on_first_byte()
         async with self.lock:
             await self._on_chunk(chunk)
 
@@ -705,6 +703,8 @@ class _Relay:
             start, self.start = self.start, None
             self.started = True
             self.status = start["status"]
+            if self.on_start is not None:
+                self.on_start(self.status)
             await self._send(start)
         self.ended = not more_body
         if body:
@@ -877,7 +877,7 @@ async def relay(
     keepalive_interval: float,
     reissue: Callable[[], Awaitable[httpx.Response | None]] | None = None,
     counters: Counters | None = None,
-    on_first_byte: Callable[[], None] | None = None,
+    on_start: Callable[[int], None] | None = None,
     stop: StopSignal | None = None,
     error_shape: ErrorShape = "openai",
     watch: ClientWatch | None = None,
@@ -893,6 +893,8 @@ async def relay(
     nothing was sent yet, else an in-band SSE ``error`` event with code ``shutting_down``.
     The gateway's own errors take ``error_shape`` (see ``error_shape()``). ``watch``: the request's
     ``ClientWatch``, already running (it then watches this relay); without it, the relay runs one of its own.
+    ``on_start`` is called with the status as the response starts: what the client got, should the relay
+    then fail with an unexpected error (it is raised, without a ``RelayResult``).
     """
     check_argument("stall_timeout", stall_timeout, positive)
     check_argument("keepalive_interval", keepalive_interval, positive)
@@ -902,7 +904,7 @@ async def relay(
         keepalive_interval=keepalive_interval,
         reissue=reissue,
         counters=counters,
-        on_first_byte=on_first_byte,
+        on_start=on_start,
         stop=stop,
         error_shape=error_shape,
     )

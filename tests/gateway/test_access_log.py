@@ -4,6 +4,7 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -333,3 +334,42 @@ async def test_a_head_that_cannot_be_forwarded_gets_the_refused_line_with_its_co
     line = parse_logfmt(record.getMessage())
     assert list(line) == ["path", "status", "outcome", "code", "duration_ms"]
     assert (line["status"], line["outcome"], line["code"]) == ("400", "refused", "invalid_header")
+
+
+class _BrokenStream(httpx.AsyncByteStream):
+    """An upstream body whose transport fails with a defect (not an httpx error) after its first chunk."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'data: {"choices": []}\n\n'
+        raise RuntimeError("a transport's defect")
+
+
+def _explode(draft: object) -> None:
+    raise RuntimeError("a preparer's defect")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("where", "status"), [("preparer", 500), ("relay", 200)])
+async def test_an_unexpected_exception_is_recorded_with_the_status_the_client_got(
+    where: str, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: status=0 in the access line (and the metrics' status label) for both: the Forwarder recorded
+    # what it had learned, nothing, though the app's handler answered 500 (or the relay had sent 200, then cut).
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_BrokenStream())
+
+    settings = LifetimeSettings(upstream_url=("http://a.test",))
+    app = create_app(
+        settings,
+        transport=httpx.MockTransport(upstream),
+        preparers=[_explode] if where == "preparer" else [],
+    )
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        response = await client.post("/v1/chat/completions", json={"model": "m", "stream": True})
+    assert response.status_code == status
+    [record] = access_records(caplog)
+    fields = record.__dict__["asgi_lifetime"]
+    assert (fields["status"], fields["outcome"]) == (status, "error")

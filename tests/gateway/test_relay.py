@@ -299,16 +299,17 @@ async def test_backpressure_one_chunk_in_flight(sse_stream: bool) -> None:
 
 
 @pytest.mark.anyio
-async def test_on_first_byte_called_once_and_start_is_lazy() -> None:
-    calls: list[int] = []
+async def test_on_start_called_once_with_the_status_and_start_is_lazy() -> None:
+    calls: list[tuple[int, int]] = []
     client = Client()
 
-    def on_first_byte() -> None:
-        calls.append(len(client.messages))
+    def on_start(status: int) -> None:
+        calls.append((status, len(client.messages)))
 
     stream = Upstream(0.05, ROLE, HELLO, STOP + DONE)
-    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, on_first_byte=on_first_byte)
-    assert calls == [0]  # before anything, even the response start, was sent
+    result = await run(upstream_response(stream, headers=SSE_HEADERS), client, on_start=on_start)
+    assert calls == [(200, 0)]  # once, before anything, even the response start, was sent
+    assert client.messages[0]["type"] == "http.response.start"
     assert result.first_byte_at is not None
     assert result.bytes_out == len(client.body)
 
