@@ -21,6 +21,7 @@ import base64
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -33,7 +34,9 @@ from starlette.routing import Route
 from starlette.types import Message
 
 from asgi_lifetime import LifetimeSettings
-from asgi_lifetime._cli._main import refusal, settings_report
+from asgi_lifetime._cli import _main as cli
+from asgi_lifetime._cli._main import main, refusal, settings_report
+from asgi_lifetime._settings import ENV_PREFIX, SETTINGS
 from asgi_lifetime.gateway import create_app
 from asgi_lifetime.testing._serve import serve_in_thread
 
@@ -137,6 +140,27 @@ def test_serve_refuses_user_info_without_gateway_keys_beyond_loopback(changes: d
     if problem is not None:
         assert "GATEWAY_KEYS" in problem
         assert_no_secret(problem)
+
+
+def test_serve_with_user_info_from_an_env_file_exits_2_beyond_loopback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for spec in SETTINGS.values():
+        monkeypatch.delenv(spec.env, raising=False)
+    (tmp_path / ".env").write_text(f"{ENV_PREFIX}UPSTREAM_URL=http://{USER_INFO}@127.0.0.1:9\n")
+
+    def started(*args: Any) -> None:
+        raise AssertionError("serve went on to start a server")
+
+    monkeypatch.setattr(cli, "server_config", started)
+    assert main(["serve", "--host", "0.0.0.0", "--port", str(closed_port())]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("asgi-lifetime: refusing to serve on 0.0.0.0") and "user info" in err
+    assert main(["settings"]) == 0
+    out, _ = capsys.readouterr()
+    assert "user:***@127.0.0.1:9" in out
+    assert_no_secret(out, err)
 
 
 async def test_create_app_warns_of_user_info_open_beyond_loopback(caplog: pytest.LogCaptureFixture) -> None:
