@@ -202,14 +202,21 @@ def echo_url() -> Iterator[str]:
 
 
 @pytest.mark.parametrize("mode", ["denied", "ok", "stream"])
-async def test_an_upstream_quoting_the_basic_credential_is_scrubbed(echo_url: str, mode: str) -> None:
+async def test_an_upstream_quoting_the_basic_credential_is_scrubbed(
+    echo_url: str, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)  # the upstream answering: aiohttp's, httpcore's, httpx's lines too
     config = LifetimeSettings(upstream_url=(echo_url.replace("http://", f"http://{USER_INFO}@"),))
     app = create_app(config)
     async with app.router.lifespan_context(app), client_for(app, LOCAL) as client:
         response = await client.post(f"/v1/{mode}", json={**CHAT, "stream": mode == "stream"})
     assert response.status_code == (401 if mode == "denied" else 200)
     assert "[redacted]" in response.text
-    assert_no_secret(response.text, repr(response.headers.raw))
+    # Not httpcore's DEBUG lines (off under ``asgi-lifetime serve``): they show the response headers as
+    # received, before the gateway scrubs them (a known limit, docs/reliability.md).
+    ours = [r for r in caplog.records if not r.name.startswith("httpcore")]
+    logged = [logging.Formatter().format(r) + repr(r.args) for r in ours]
+    assert_no_secret(response.text, repr(response.headers.raw), *logged)
 
 
 # --- what holds --------------------------------------------------------------------------------------
