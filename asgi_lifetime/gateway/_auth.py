@@ -1,10 +1,11 @@
 """Gateway keys: who may use the gateway's own upstream key.
 
-Without ``UPSTREAM_API_KEY`` the gateway holds no credential: the client's ``Authorization``
-passes through to the upstream and the upstream decides. With it, the gateway injects that
-key upstream, so it must keep strangers out: clients present one of ``GATEWAY_KEYS``
-(``Authorization: Bearer <key>`` or ``x-api-key: <key>``), compared in constant time, and
-their own credential headers are replaced before anything is read or forwarded. With an
+Without ``UPSTREAM_API_KEY`` (or user info in ``UPSTREAM_URL``, below) the gateway holds no
+credential: the client's ``Authorization`` passes through to the upstream and the upstream
+decides. With it, the gateway injects that key upstream, so it must keep strangers out:
+clients present one of ``GATEWAY_KEYS`` (``Authorization: Bearer <key>`` or ``x-api-key: <key>``),
+compared in constant time, and their own credential headers are replaced before anything is
+read or forwarded. With an
 upstream key and no gateway keys (a local development proxy), only loopback clients are
 served; the CLI also refuses to bind such a gateway to a non-loopback address. User info in
 ``UPSTREAM_URL`` (sent as ``Authorization: Basic``) is a credential the gateway holds too, guarded
