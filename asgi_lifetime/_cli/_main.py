@@ -271,10 +271,16 @@ def export_environ(settings: LifetimeSettings, environ: MutableMapping[str, str]
 def refusal(settings: LifetimeSettings, host: str) -> str | None:
     """Why the gateway must not start on ``host`` with these settings, or ``None``: keys that leave
     the port open (``open_beyond_loopback``) are only acceptable on a loopback address."""
-    gap = None if is_loopback(host) else open_beyond_loopback(settings.upstream_api_key, settings.gateway_keys)
+    user_info = bool(settings.upstream_userinfo)
+    keys = settings.gateway_keys
+    gap = (
+        None
+        if is_loopback(host)
+        else open_beyond_loopback(settings.upstream_api_key, keys, upstream_user_info=user_info)
+    )
     if gap is None:
         return None
-    fix = "set GATEWAY_KEYS" if settings.upstream_api_key else "set UPSTREAM_API_KEY, unset GATEWAY_KEYS,"
+    fix = "set GATEWAY_KEYS" if settings.upstream_api_key or user_info else "set UPSTREAM_API_KEY, unset GATEWAY_KEYS,"
     return f"refusing to serve on {host}: {gap}; {fix} or bind a loopback --host"
 
 

@@ -82,10 +82,12 @@ def create_app(
     """
     if settings is None:
         settings = LifetimeSettings.from_environ()
-    gap = open_beyond_loopback(settings.upstream_api_key, settings.gateway_keys)
+    user_info = bool(settings.upstream_userinfo)  # sent as Authorization: Basic, a credential as the key is
+    gap = open_beyond_loopback(settings.upstream_api_key, settings.gateway_keys, upstream_user_info=user_info)
     if gap is not None:
-        # With an upstream key and no gateway keys, GatewayAuth serves loopback clients only.
-        logger.warning("%s%s", gap, " (only loopback clients will be served)" if settings.upstream_api_key else "")
+        # With a credential of its own and no gateway keys, GatewayAuth serves loopback clients only.
+        guarded = settings.upstream_api_key or user_info
+        logger.warning("%s%s", gap, " (only loopback clients will be served)" if guarded else "")
     lifetime = Lifetime(settings)
     book = make_session_book(settings, lifetime=lifetime, on_change=on_change)
     listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]
@@ -181,6 +183,7 @@ def create_app(
                 gateway_keys=settings.gateway_keys,
                 upstream_api_key=settings.upstream_api_key,
                 upstream_auth=settings.upstream_auth,
+                upstream_user_info=user_info,
                 body_limits=settings,
             ),
             # Then: a head that cannot be forwarded is refused before admission or body reading.

@@ -1,12 +1,15 @@
 """Gateway keys: who may use the gateway's own upstream key.
 
-Without ``UPSTREAM_API_KEY`` the gateway holds no credential: the client's ``Authorization``
-passes through to the upstream and the upstream decides. With it, the gateway injects that
-key upstream, so it must keep strangers out: clients present one of ``GATEWAY_KEYS``
-(``Authorization: Bearer <key>`` or ``x-api-key: <key>``), compared in constant time, and
-their own credential headers are replaced before anything is read or forwarded. With an
+Without ``UPSTREAM_API_KEY`` (or user info in ``UPSTREAM_URL``, below) the gateway holds no
+credential: the client's ``Authorization`` passes through to the upstream and the upstream
+decides. With it, the gateway injects that key upstream, so it must keep strangers out:
+clients present one of ``GATEWAY_KEYS`` (``Authorization: Bearer <key>`` or ``x-api-key: <key>``),
+compared in constant time, and their own credential headers are replaced before anything is
+read or forwarded. With an
 upstream key and no gateway keys (a local development proxy), only loopback clients are
-served; the CLI also refuses to bind such a gateway to a non-loopback address.
+served; the CLI also refuses to bind such a gateway to a non-loopback address. User info in
+``UPSTREAM_URL`` (sent as ``Authorization: Basic``) is a credential the gateway holds too, guarded
+the same way: gateway keys are then checked (and never forwarded), or only loopback clients served.
 
 ``UPSTREAM_AUTH`` says how the key goes upstream: ``bearer`` (``Authorization: Bearer``,
 OpenAI-style), ``x-api-key`` (Anthropic), ``x-goog-api-key`` (Gemini) or ``api-key`` (Azure OpenAI). Whichever it is,
@@ -14,8 +17,8 @@ every client credential (``Authorization``, ``x-api-key``, ``x-goog-api-key``, a
 query parameter) is removed first, so the upstream sees exactly one credential: ours.
 
 An upstream may quote the credential it received (a 401 echoing ``Authorization``):
-``KeyScrubber`` replaces the key in every spelling with ``[redacted]`` in relayed headers
-and error bodies.
+``KeyScrubber`` replaces the key (and the Basic credential of the URL's user info) in every
+spelling with ``[redacted]`` in relayed headers and bodies.
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ REDACTED = "[redacted]"
 
 class GatewayAuth:
     """Pure ASGI: checks gateway keys and injects the upstream key; outermost, so a stranger's
-    request is refused before admission or body reading. ``body_limits``: the settings whose
+    request is refused before admission or body reading. ``upstream_user_info``: the upstream
+    URL carries user info the gateway sends as ``Authorization: Basic`` when the client sends no
+    credential (a credential it holds, guarded as the key is; the client's own, if any, still goes
+    through when no gateway key had to be presented). ``body_limits``: the settings whose
     ``BODY_IDLE_TIMEOUT`` and ``BODY_TIMEOUT`` bound how long a refused HTTP/2 client may go on
     sending before its answer ends (``BodyWatch``); the defaults when omitted.
 
@@ -74,6 +80,7 @@ class GatewayAuth:
         gateway_keys: Collection[str],
         upstream_api_key: str | None,
         upstream_auth: str = "bearer",
+        upstream_user_info: bool = False,
         open_paths: Collection[str] = ("/healthz", "/metrics"),
         body_limits: LifetimeSettings | None = None,
     ) -> None:
@@ -85,12 +92,14 @@ class GatewayAuth:
         self._keys = [key.encode() for key in gateway_keys]
         header, template = UPSTREAM_AUTH_SCHEMES[upstream_auth]
         self._inject = (header, template.format(key=upstream_api_key).encode()) if upstream_api_key else None
+        # Whether the gateway spends a credential of its own on a request: then it must know who asks.
+        self._guarded = self._inject is not None or upstream_user_info
         self._open_paths = frozenset(open_paths)
         # BODY_IDLE_TIMEOUT, BODY_TIMEOUT: how long a refused client may go on sending (BodyWatch).
         self._limits = body_limits if body_limits is not None else LifetimeSettings()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._inject is None or route_path(scope) in self._open_paths:
+        if scope["type"] != "http" or not self._guarded or route_path(scope) in self._open_paths:
             await self.app(scope, receive, send)
             return
         normalize_headers(scope)  # a server's "Authorization" is the credential "authorization" too
@@ -103,7 +112,7 @@ class GatewayAuth:
         else:
             client = scope.get("client")
             allowed = client is not None and is_loopback(str(client[0]))
-            problem = "this gateway injects its upstream key and has no gateway keys: loopback clients only"
+            problem = "this gateway sends its own upstream credential and has no gateway keys: loopback clients only"
         if not allowed:
             limits = self._limits
             # The body is unread: the server must not parse it as the next request, nor fail the
@@ -116,10 +125,14 @@ class GatewayAuth:
                 unread=BodyWatch(receive, limits.body_idle_timeout, limits.body_timeout),
             )
             return
-        scope = dict(scope)
-        scope["headers"] = [(k, v) for k, v in headers if k not in CREDENTIAL_HEADERS]
-        scope["headers"].append(self._inject)
-        scope["query_string"] = _without_key_param(scope.get("query_string", b""))
+        if self._keys or self._inject is not None:
+            # The gateway key presented is not the upstream's to see; our credential replaces it (the
+            # user info's Basic is added where the request is built, to a request without one).
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in headers if k not in CREDENTIAL_HEADERS]
+            if self._inject is not None:
+                scope["headers"].append(self._inject)
+            scope["query_string"] = _without_key_param(scope.get("query_string", b""))
         await self.app(scope, receive, send)
 
     def _accepts(self, presented: bytes | None) -> bool:
@@ -143,19 +156,28 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def open_beyond_loopback(upstream_api_key: str | None, gateway_keys: Collection[str]) -> str | None:
+def open_beyond_loopback(
+    upstream_api_key: str | None, gateway_keys: Collection[str], *, upstream_user_info: bool = False
+) -> str | None:
     """What a client beyond loopback could do with these keys unchecked, or ``None``.
+    ``upstream_user_info``: an upstream URL carries user info, a credential the gateway sends.
 
     ``create_app`` warns with it; ``asgi-lifetime serve`` refuses a non-loopback host with it.
     """
     if upstream_api_key and not gateway_keys:
         return "UPSTREAM_API_KEY is set but GATEWAY_KEYS is not, so anyone who can reach the port would spend the key"
-    if gateway_keys and not upstream_api_key:
-        # The keys are checked only where the gateway injects its own key (the client's Authorization
-        # header is otherwise its upstream credential): an operator who set them believes the port closed.
+    if upstream_user_info and not gateway_keys:
+        return (
+            "UPSTREAM_URL has user info (sent as Authorization: Basic) but GATEWAY_KEYS is not set, so anyone "
+            "who can reach the port would spend it"
+        )
+    if gateway_keys and not (upstream_api_key or upstream_user_info):
+        # The keys are checked only where the gateway sends a credential of its own (the client's
+        # Authorization header is otherwise its upstream credential): an operator who set them
+        # believes the port closed.
         return (
             "GATEWAY_KEYS is set but UPSTREAM_API_KEY is not, so the keys are not checked (only a gateway that "
-            "injects its upstream key checks them): anyone who can reach the port would be served"
+            "sends its own upstream credential checks them): anyone who can reach the port would be served"
         )
     return None
 
@@ -194,7 +216,8 @@ def _param_name(part: bytes) -> bytes:
 
 
 class KeyScrubber:
-    """Replaces the gateway's upstream key with ``[redacted]`` in what goes back to clients.
+    """Replaces the gateway's upstream keys with ``[redacted]`` in what goes back to clients: each
+    key given (``UPSTREAM_API_KEY``, and the Basic credential of each upstream URL's user info).
 
     Spellings covered: the bare key (so ``Bearer <key>`` too), its JSON-escaped forms (``\\/``,
     every character ``\\u``-escaped) and percent-encoded forms, and, in JSON, any mix of escapes
@@ -206,19 +229,19 @@ class KeyScrubber:
     ```
     """
 
-    __slots__ = ("_key", "_spellings")
+    __slots__ = ("_keys", "_spellings")
 
-    def __init__(self, key: str | None) -> None:
-        self._key = key or None
+    def __init__(self, *keys: str | None) -> None:
+        self._keys = tuple(key for key in keys if key)
         spellings: set[str] = set()
-        if key:
+        for key in self._keys:
             spellings.update({key, json.dumps(key)[1:-1], key.replace("/", "\\/"), quote(key, safe=""), quote(key)})
             spellings.add("".join(f"\\u{ord(c):04x}" for c in key))  # every character escaped (JSON, JS)
         # Longest first: a spelling that contains another is replaced whole.
         self._spellings = sorted((s.encode() for s in spellings), key=len, reverse=True)
 
     def __bool__(self) -> bool:
-        return self._key is not None
+        return bool(self._keys)
 
     @property
     def spellings(self) -> tuple[bytes, ...]:
@@ -226,7 +249,7 @@ class KeyScrubber:
         return tuple(self._spellings)
 
     def scrub(self, data: bytes) -> bytes:
-        if self._key is None:
+        if not self._keys:
             return data
         for spelling in self._spellings:
             if spelling in data:
@@ -236,7 +259,7 @@ class KeyScrubber:
         return data
 
     def scrub_text(self, text: str) -> str:
-        if self._key is None:
+        if not self._keys:
             return text
         return self.scrub(text.encode("utf-8", "surrogatepass")).decode("utf-8", "surrogatepass")
 
@@ -252,7 +275,7 @@ class KeyScrubber:
 
     def headers(self, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]] | None:
         """Scrubbed header pairs, or None when no value held the key."""
-        if self._key is None:
+        if not self._keys:
             return None
         changed = False
         result = []
@@ -272,7 +295,7 @@ class KeyScrubber:
 
     def _walk(self, value: Any) -> Any:
         if isinstance(value, str):
-            return self.scrub_text(value) if self._key is not None and self._key in value else value
+            return self.scrub_text(value) if any(key in value for key in self._keys) else value
         if isinstance(value, list):
             return [self._walk(item) for item in value]
         if isinstance(value, dict):

@@ -348,7 +348,9 @@ class UpstreamClient:
         self._pool = UpstreamPool(urls, cooloff=settings.upstream_cooloff)
         self._owns_client = client is None
         self._transport: UpstreamTransport | None = None
-        self._scrubber = KeyScrubber(settings.upstream_api_key)
+        # An upstream may quote the credential it got: the user info's Basic token is as secret as the key.
+        basic_tokens = (value.removeprefix("Basic ") for value in self._basic.values())
+        self._scrubber = KeyScrubber(settings.upstream_api_key, *basic_tokens)
         if client is None:
             # No read timeout: the headers wait is bounded below, the body by the relay's stall guard.
             timeout = httpx.Timeout(
