@@ -7,6 +7,12 @@ open for hours with keep-alives. Whatever is kept per key, per request or per ev
 by a setting or a constant, not by the uptime. Measured by size (``len()``, ``tracemalloc``, the
 process's file descriptors, files in ``RETAIN_DIR``), never by RSS luck.
 
+Found here:
+
+- the parsed upstream URLs (``UpstreamClient._url``) were kept first-come, the first 256 for good: a
+  tenant sending 256 made-up paths took every place, and for the rest of the uptime every request paid
+  the URL parse the cache was there to save. It keeps the 256 used last now.
+
 Held up (kept as tests):
 
 - 1,000 requests, each with its own session id, model, path and query, answered with 200, 400, 404,
@@ -177,6 +183,30 @@ async def test_unique_sessions_models_paths_and_statuses_leave_nothing_behind(tr
     # finds them full (measured: about 1.5 bytes a request).
     assert second - first < 1000 * 4 * PER_REQUEST_GROWTH, (first, second, third)
     assert third - second < 1000 * PER_REQUEST_GROWTH, (first, second, third)
+
+
+async def test_a_tenant_with_many_paths_does_not_take_the_url_cache_for_good() -> None:
+    """The parsed upstream URLs (``UpstreamClient._url``: the parse was two thirds of building a request)
+    were kept for the first 256 distinct ones, for good: a tenant sending 256 made-up paths (404s from
+    the upstream) took every place, and every later request paid the parse again, for the uptime."""
+    app = create_app(_settings(), transport=httpx.MockTransport(lambda request: httpx.Response(200, json={})))
+    forwarded = app.state.upstream
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            for i in range(_upstream._URLS + 44):
+                await client.post(f"/v1/made-up/{i}", json=CHAT)
+            assert len(forwarded._urls) == _upstream._URLS
+            for _ in range(2):
+                assert (await client.post(PATH, json=CHAT)).status_code == 200
+            assert BASE + PATH in forwarded._urls
+            for i in range(_upstream._URLS - 1):  # the paths in use stay while made-up ones come and go
+                await client.post(f"/v1/made-up/again/{i}", json=CHAT)
+                if not i % 64:
+                    await client.post(PATH, json=CHAT)
+            assert BASE + PATH in forwarded._urls
+            assert len(forwarded._urls) == _upstream._URLS
+    finally:
+        await app.state.upstream.aclose()
 
 
 # --- one stream for hours -------------------------------------------------------------------------
