@@ -22,6 +22,7 @@ import logging
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -386,7 +387,7 @@ class UpstreamClient:
         self._sleep: Callable[[float], Awaitable[None]] = anyio.sleep
         self._clock: Callable[[], float] = anyio.current_time
         self._random = random.Random()
-        self._urls: dict[str, httpx.URL] = {}  # see _url
+        self._urls: OrderedDict[str, httpx.URL] = OrderedDict()  # see _url
 
     @property
     def transport_name(self) -> str:
@@ -707,12 +708,19 @@ class UpstreamClient:
     def _url(self, text: str) -> httpx.URL:
         """``httpx.URL(text)``, parsed once per distinct URL: its parse and checks were two thirds of
         building each request, for the same few URLs (a URL is immutable: shared safely).
-        Only short URLs without a query are kept (a query may carry a client's key), at most ``_URLS``."""
-        url = self._urls.get(text)
-        if url is None:
-            url = httpx.URL(text)
-            if len(self._urls) < _URLS and len(text) <= _URL_BYTES and "?" not in text:
-                self._urls[text] = url
+        Only short URLs without a query are kept (a query may carry a client's key), the ``_URLS`` used
+        last: kept first-come, a client's made-up paths took every place for good, and every request paid
+        the parse again."""
+        urls = self._urls
+        url = urls.get(text)
+        if url is not None:
+            urls.move_to_end(text)
+            return url
+        url = httpx.URL(text)
+        if len(text) <= _URL_BYTES and "?" not in text:
+            urls[text] = url
+            if len(urls) > _URLS:
+                urls.popitem(last=False)
         return url
 
     def _jitter(self, retry: Retry) -> float:
