@@ -923,3 +923,58 @@ def test_anthropic_request_id_is_relayed(served: Stack) -> None:
     raw = served.anthropic().messages.with_raw_response.count_tokens(model="c", messages=CLAUDE_HELLO)
     assert raw.request_id == "req_011" and raw.parse().input_tokens == 3
     served.wait_idle()
+
+
+# --- the openai SDK's chunked upload against MAX_BODY_BYTES -----------------------------------------
+
+_UPLOAD = {
+    "id": "upload_1",
+    "object": "upload",
+    "bytes": 0,
+    "created_at": 1,
+    "filename": "big.jsonl",
+    "purpose": "batch",
+    "status": "pending",
+    "expires_at": 2,
+}
+
+
+def _chunked_upload(served: Stack, size: int, part_size: int) -> Any:
+    served.upstream.answer("/v1/uploads", json_answer({**_UPLOAD, "bytes": size}))
+    part = {"id": "part_1", "object": "upload.part", "created_at": 1, "upload_id": "upload_1"}
+    served.upstream.answer("/v1/uploads/upload_1/parts", json_answer(part))
+    served.upstream.answer(
+        "/v1/uploads/upload_1/complete", json_answer({**_UPLOAD, "bytes": size, "status": "completed"})
+    )
+    return served.openai(max_retries=0).uploads.upload_file_chunked(
+        file=_JSONL[:size],
+        bytes=size,
+        filename="big.jsonl",
+        mime_type="application/jsonl",
+        purpose="batch",
+        part_size=part_size,
+    )
+
+
+def test_a_chunked_upload_part_of_max_body_bytes_is_refused_by_its_multipart_framing() -> None:
+    """``uploads.upload_file_chunked`` sends each part as a multipart body: the part's bytes plus a few hundred
+    bytes of framing. A part of exactly ``MAX_BODY_BYTES`` is a 413 (the SDK raises it with the gateway's
+    message, nothing forwarded); a limit a little over the part size passes it. The SDK's default part size
+    *is* the default limit, 64 MiB (docs/operators.md says to raise the limit or lower ``part_size``)."""
+    from openai.resources.uploads.uploads import DEFAULT_PART_SIZE
+
+    assert DEFAULT_PART_SIZE == LifetimeSettings().max_body_bytes == 64 * 2**20
+    part = 2**20
+    with stack(max_body_bytes=part) as served:
+        with pytest.raises(openai.APIStatusError) as caught:
+            _chunked_upload(served, 2 * part, part)
+        assert caught.value.status_code == 413 and f"limit of {part} bytes" in caught.value.message
+        assert [r.path for r in served.upstream.requests] == ["/v1/uploads"]  # created, no part forwarded
+        served.wait_idle()
+    with stack(max_body_bytes=part + 4096) as served:
+        assert _chunked_upload(served, 2 * part, part).status == "completed"
+        parts = served.upstream.at("/v1/uploads/upload_1/parts")
+        assert len(parts) == 2 and all(_JSONL[:part] in r.body or _JSONL[part : 2 * part] in r.body for r in parts)
+        for sent, got in zip(served.sent, served.upstream.requests, strict=True):
+            served.same_request(sent, got)
+        served.wait_idle()
