@@ -19,9 +19,11 @@ from typing import Any
 
 import anthropic
 import anyio
+import anyio.to_thread
 import httpx2
 import openai
 import pytest
+from anthropic.types import ToolParam
 from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
@@ -494,7 +496,7 @@ def tool_and_thinking_stream() -> list[bytes]:
 
 
 SSE_HEADERS = [("content-type", "text/event-stream; charset=utf-8"), ("request-id", "req_stream")]
-TOOL = {"name": "weather", "description": "w", "input_schema": {"type": "object"}}
+TOOL: ToolParam = {"name": "weather", "description": "w", "input_schema": {"type": "object"}}
 
 
 def _stream_call(served: Stack) -> Any:
@@ -502,7 +504,7 @@ def _stream_call(served: Stack) -> Any:
         model="claude-test",
         max_tokens=64,
         messages=CLAUDE_HELLO,
-        tools=[TOOL],  # type: ignore[list-item]
+        tools=[TOOL],
         thinking={"type": "enabled", "budget_tokens": 32},
     )
 
@@ -546,6 +548,7 @@ def test_an_overloaded_error_event_mid_stream_is_the_sdks_error_as_without_the_g
     assert len(served.upstream.requests) == 1  # the client had content: the error is not re-issued
     with anthropic.Anthropic(base_url=served.upstream_url, api_key="k", max_retries=0) as direct_client:
         direct = _raised_by(direct_client)
+    # The SDK raises APIStatusError (status 200: the stream had begun), the same class either way.
     assert type(through) is type(direct), (through, direct)
     assert str(through) == str(direct)
     served.wait_idle()
@@ -637,7 +640,7 @@ def test_count_tokens_and_models_with_beta_headers(served: Stack) -> None:
         "/v1/models", json_answer({"data": [model], "has_more": False, "first_id": None, "last_id": None})
     )
     client = served.anthropic(default_headers={"anthropic-beta": "token-counting-2024-11-01,files-api-2025-04-14"})
-    assert client.messages.count_tokens(model="claude-test", messages=CLAUDE_HELLO, tools=[TOOL]).input_tokens == 11  # type: ignore[list-item]
+    assert client.messages.count_tokens(model="claude-test", messages=CLAUDE_HELLO, tools=[TOOL]).input_tokens == 11
     assert [m.id for m in client.models.list(limit=5)] == ["claude-test"]
     for sent, got in zip(served.sent, served.upstream.requests, strict=True):
         served.same_request(sent, got)
@@ -978,3 +981,29 @@ def test_a_chunked_upload_part_of_max_body_bytes_is_refused_by_its_multipart_fra
         for sent, got in zip(served.sent, served.upstream.requests, strict=True):
             served.same_request(sent, got)
         served.wait_idle()
+
+
+@pytest.mark.anyio
+@SDK_ASYNCGENS_ON_TRIO
+async def test_the_async_clients_on_binary_answers_tool_streams_and_a_mid_stream_error(anyio_backend: str) -> None:
+    frames = tool_and_thinking_stream()
+    with stack() as served:
+        served.upstream.answer("/v1/audio/speech", Answer(200, _AUDIO_HEADERS, list(_AUDIO)))
+        served.upstream.answer(
+            "/v1/messages", Answer(200, SSE_HEADERS, frames), Answer(200, SSE_HEADERS, _overloaded(frames, 6))
+        )
+        async with openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="k", timeout=SDK_TIMEOUT) as oai:
+            async with oai.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input="hi") as r:
+                assert b"".join([chunk async for chunk in r.iter_bytes()]) == b"".join(_AUDIO)
+        async with anthropic.AsyncAnthropic(base_url=served.url, api_key="k", timeout=SDK_TIMEOUT) as claude:
+            async with claude.messages.stream(
+                model="claude-test", max_tokens=64, messages=CLAUDE_HELLO, tools=[TOOL]
+            ) as stream:
+                final = await stream.get_final_message()
+            assert [block.type for block in final.content] == ["thinking", "tool_use"]
+            with pytest.raises(anthropic.APIStatusError, match="Overloaded"):
+                async with claude.messages.stream(model="claude-test", max_tokens=64, messages=CLAUDE_HELLO) as failing:
+                    async for _ in failing:
+                        pass
+        assert [r.path for r in served.upstream.requests] == ["/v1/audio/speech", "/v1/messages", "/v1/messages"]
+        await anyio.to_thread.run_sync(served.wait_idle)
