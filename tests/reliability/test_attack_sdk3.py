@@ -13,7 +13,7 @@ import contextlib
 import json
 import threading
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -392,6 +392,7 @@ RETRIES = {
     "500 should-retry false": (500, "false", 1, 1),
     "503": (503, None, 1, 2),
     "503 should-retry true": (503, "true", 1, 2),
+    "529": (529, None, 1, 2),
 }
 
 
@@ -1007,3 +1008,30 @@ async def test_the_async_clients_on_binary_answers_tool_streams_and_a_mid_stream
                         pass
         assert [r.path for r in served.upstream.requests] == ["/v1/audio/speech", "/v1/messages", "/v1/messages"]
         await anyio.to_thread.run_sync(served.wait_idle)
+
+
+def test_a_wrong_gateway_key_is_each_sdks_authentication_error_off_the_chat_paths() -> None:
+    with stack(upstream_api_key="sk-upstream", gateway_keys=("gateway-key",)) as served:
+        oai = openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0)
+        claude = anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0)
+        served.clients += [oai, claude]
+        calls: list[Callable[[], object]] = [
+            lambda: oai.files.create(file=("a.jsonl", _JSONL[:1000], "application/jsonl"), purpose="batch"),
+            lambda: oai.models.list(),
+            lambda: oai.embeddings.create(model="e", input="hi"),
+        ]
+        for call in calls:
+            with pytest.raises(openai.AuthenticationError) as caught:
+                call()
+            assert isinstance(caught.value.body, dict) and caught.value.body.get("code") == "invalid_api_key"
+        claude_calls: list[Callable[[], object]] = [
+            lambda: claude.models.list(),
+            lambda: claude.messages.batches.create(requests=BATCH_REQUESTS[:2]),
+            lambda: claude.beta.files.upload(file=("a.pdf", b"%PDF", "application/pdf")),
+        ]
+        for claude_call in claude_calls:
+            with pytest.raises(anthropic.AuthenticationError) as refused:
+                claude_call()
+            assert isinstance(refused.value.body, dict) and refused.value.body.get("type") == "error"
+        assert served.upstream.requests == []
+        served.wait_idle()
