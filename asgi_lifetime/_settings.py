@@ -662,8 +662,9 @@ def _show(spec: SettingSpec, value: Any) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``), and any query or
-    fragment (where keys travel: ``?key=``, ``?password=``) by ``***``, for output."""
+    """``url`` with any password in it replaced by ``***`` (``https://user:***@host/``; a user name
+    alone, ``https://***@host/``), and any query or fragment (where keys travel: ``?key=``,
+    ``?password=``) by ``***``, for output."""
     # The user info is whatever precedes the last "@", read without urlsplit: a password with a "/",
     # "?" or "#" (base64 has "/") ends urlsplit's netloc early, and a mistyped scheme ("redis//",
     # none at all) leaves no netloc; either way the password would be shown whole.
@@ -677,6 +678,11 @@ def redact_url(url: str) -> str:
             # A "?" or "#" before the "@" may start a query the "@" is in (``http://h:80/?k=a@b``):
             # what follows it is then no host, and is hidden with the rest of that query.
             url = f"{scheme}{sep}{user}:***@{'***' if re.search('[?#]', secret) else rest}"
+        elif not re.search("[/?#]", user):
+            # A user name alone is a credential too (sent as Basic ``user:``; some services take a token
+            # as the user name, ``https://TOKEN@host``). With a "/", "?" or "#" the "@" is in the path or
+            # query, hidden below if it is in the query.
+            url = f"{scheme}{sep}***@{rest}"
     return re.sub(r"[?#].*", "?***", url, count=1, flags=re.DOTALL)
 
 

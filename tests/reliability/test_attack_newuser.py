@@ -241,7 +241,7 @@ def test_a_password_in_a_mistyped_url_is_not_shown_by_the_error(name: str, value
         ("http://h:8080/p?key=ab@cd", "http://h:***@***"),  # before: "cd", the end of the query, was shown
         ("http://h/p?x=a:b@c", "http://h/p?***"),
         ("https://h/?key=a@b", "https://h/?***"),
-        ("http://user@h", "http://user@h"),
+        ("http://user@h", "http://***@h"),  # a user name alone is a credential too (Basic "user:")
         ("http://h:8000/v1", "http://h:8000/v1"),
     ],
 )
