@@ -155,10 +155,17 @@ def _path_prefixes(value: Any) -> str | None:
 
 
 def _urls(value: Any) -> str | None:
+    seen: set[str] = set()
     for url in value:
         problem = base_url_problem(url)
         if problem is not None:
             return f"each upstream must be an http:// or https:// base URL: {redact_url(url)!r} {problem}"
+        # The pool refuses a repeat (every worker's start would fail); a trailing "/" or user info
+        # does not make another upstream.
+        base = _split_url(url)[0].rstrip("/")
+        if base in seen:
+            return f"{redact_url(url)!r} names an upstream twice: list each one once"
+        seen.add(base)
     return None
 
 

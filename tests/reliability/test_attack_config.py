@@ -305,3 +305,38 @@ def test_an_upstream_given_empty_does_not_serve_the_demo(
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     assert "UPSTREAM_URL is empty" in serve_fails(argv, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize(
+    "urls",
+    [
+        "http://127.0.0.1:9,http://127.0.0.1:9",
+        "http://127.0.0.1:9/,http://127.0.0.1:9",  # the same base URL: a request's path is appended the same way
+        f"http://user:{SECRET}@127.0.0.1:9,http://127.0.0.1:9",
+    ],
+)
+def test_the_same_upstream_twice_is_refused_at_start(
+    urls: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: accepted by the settings (``settings`` showed it), then every worker's pool refused it: a traceback
+    # from ``serve`` after its banner, exit status 1.
+    with pytest.raises(ValueError, match=r"^ASGI_LIFETIME_UPSTREAM_URL=.* is invalid: .*twice") as info:
+        LifetimeSettings.from_mapping({"upstream_url": urls})
+    assert SECRET not in str(info.value)
+    assert "twice" in serve_fails(["--upstream", urls], monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("settings", [{"max_body_bytes": "8MiB", KEY: SECRET}, LifetimeSettings])
+def test_settings_that_are_not_a_settings_object_are_named_at_construction(settings: object) -> None:
+    # ``app.state.lifetime_settings`` takes a mapping, so an operator passes one to ``settings=`` too. Before:
+    # ``AttributeError: 'dict' object has no attribute 'max_inflight'`` (the class itself: at the first request).
+    from asgi_lifetime import LifetimeMiddleware
+    from asgi_lifetime.gateway import create_app
+
+    async def inner(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("not reached")
+
+    for build in (lambda: LifetimeMiddleware(inner, settings=settings), lambda: create_app(settings)):  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"settings must be a LifetimeSettings.*from_mapping") as info:
+            build()
+        assert SECRET not in str(info.value)
