@@ -483,7 +483,7 @@ class LifetimeSettings:
             if isinstance(value, list):  # accept lists from code, store tuples
                 value = tuple(value)
                 object.__setattr__(self, name, value)
-            problem = _type_problem(name, value) or spec.check(value)
+            problem = _type_problem(name, value) or spec.check(value) or _invisible_problem(value)
             if problem:
                 raise ValueError(f"{spec.env}={_show(spec, value)} is invalid: {problem}")
         self._split_userinfo()
@@ -691,6 +691,16 @@ def _kind_problem(value: Any, expected: tuple[type, ...]) -> str | None:
         return "must be a list of strings"
     if isinstance(value, float) and not math.isfinite(value):
         return "must be a finite number"
+    return None
+
+
+def _invisible_problem(value: Any) -> str | None:
+    """A text value with a character no report shows (a zero-width space pasted from a web page, a control
+    character): the URL, path prefix or directory would never be the one meant, and look right everywhere."""
+    for text in value if isinstance(value, tuple) else (value,):
+        if isinstance(text, str) and not text.isprintable():
+            char = next(c for c in text if not c.isprintable())
+            return f"has an invisible or control character (U+{ord(char):04X})"
     return None
 
 

@@ -596,6 +596,24 @@ def _port(text: str) -> int:
     return port
 
 
+def _host(text: str) -> str:
+    """``--host``: not empty. ``--host "$HOST"`` with HOST unset listened on every address."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty host listens on every address; name one (0.0.0.0 for that)")
+    return text
+
+
+def _non_negative_int(text: str) -> int:
+    """``--timeout-keep-alive``: a negative one closed every idle connection at once."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a whole number of seconds, 0 or greater")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter)
@@ -611,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     server = serve.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    server.add_argument("--host", type=_host, default="127.0.0.1", help="address to bind (default %(default)s)")
     server.add_argument("--port", type=_port, default=8080, help="port to bind (default %(default)s)")
     server.add_argument("--workers", type=int, default=1, help="worker processes (default %(default)s)")
     server.add_argument(
@@ -648,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--timeout-keep-alive",
-        type=int,
+        type=_non_negative_int,
         default=5,
         metavar="SECONDS",
         help="close idle client connections after this long; behind a load balancer, set it above "

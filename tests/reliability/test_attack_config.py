@@ -340,3 +340,47 @@ def test_settings_that_are_not_a_settings_object_are_named_at_construction(setti
         with pytest.raises(TypeError, match=r"settings must be a LifetimeSettings.*from_mapping") as info:
             build()
         assert SECRET not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("upstream_url", "https://api.example.com\u200b"),  # a zero-width space copied from a web page
+        ("upstream_url", "http://a\x7fb.example"),
+        ("paths", "/v1/\u200b"),
+        ("paths", "/v1/,/v1beta/\ufeff"),
+        ("session_store", "redis://re\u200bdis:6379/0"),
+        ("retain_dir", "/var/tmp/spill\u200b"),
+        ("session_header", "x-session-id\u200b"),
+    ],
+)
+def test_an_invisible_character_in_a_value_is_refused_and_shown(name: str, value: str) -> None:
+    # Before (but for the header): accepted; the URL failed every request (httpx: invalid IDNA host), the path
+    # prefix never matched (404), the directory never existed, and every report showed the value as meant.
+    with pytest.raises(ValueError, match=rf"^ASGI_LIFETIME_{name.upper()}=.* is invalid: .*(character \(U\+|header)"):
+        LifetimeSettings.from_mapping({name: value})
+
+
+def test_printable_unicode_is_still_accepted() -> None:
+    settings = LifetimeSettings.from_mapping({"upstream_url": "http://bücher.example/", "paths": "/v1/,/ü/"})
+    assert settings.paths == ("/v1/", "/ü/")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # ``--host "$HOST"`` with HOST unset: uvicorn listened on every address (the default is loopback).
+        (["--host", ""], "--host: an empty host"),
+        (["--host", " "], "--host: an empty host"),
+        # A negative keep-alive closed every idle client connection at once.
+        (["--timeout-keep-alive", "-1"], "--timeout-keep-alive: -1 is invalid"),
+    ],
+)
+def test_serve_refuses_server_flags_that_mean_something_else(
+    argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(uvicorn.Server, "run", never_serve)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--upstream", "http://127.0.0.1:9", *argv])
+    assert info.value.code == 2
+    assert expected in capsys.readouterr().err
