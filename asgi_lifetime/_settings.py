@@ -77,11 +77,17 @@ def _parse_size(text: str) -> int:
 
 
 def _parse_int(text: str) -> int:
-    return int(text.strip())
+    try:
+        return int(text.strip())
+    except ValueError:  # Python's "invalid literal for int() with base 10" is not the operator's language
+        raise ValueError("expected a whole number") from None
 
 
 def _parse_float(text: str) -> float:
-    value = float(text.strip())
+    try:
+        value = float(text.strip())
+    except ValueError:  # every float setting is a duration: 30s and 1m are the likely mistakes
+        raise ValueError("expected a number of seconds such as 30 or 2.5 (no unit)") from None
     if not math.isfinite(value):
         raise ValueError("expected a finite number")
     return value

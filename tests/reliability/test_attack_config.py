@@ -24,6 +24,7 @@ Found here (each silently ran something other than what was written, or failed w
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -384,3 +385,20 @@ def test_serve_refuses_server_flags_that_mean_something_else(
         main(["serve", "--upstream", "http://127.0.0.1:9", *argv])
     assert info.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "expected"),
+    [
+        ("stall_timeout", "30s", "expected a number of seconds such as 30 or 2.5 (no unit)"),
+        ("stall_timeout", "1m", "expected a number of seconds"),
+        ("stall_timeout", "", "expected a number of seconds"),  # ``NAME=${UNSET}`` in a compose file
+        ("max_attempts", "4.0", "expected a whole number"),
+        ("max_attempts", "", "expected a whole number"),
+    ],
+)
+def test_a_number_in_another_form_is_refused_in_the_operators_terms(name: str, raw: str, expected: str) -> None:
+    # Before: Python's own words: "could not convert string to float: '30s'", "invalid literal for int() with
+    # base 10: ''".
+    with pytest.raises(ValueError, match=rf"^ASGI_LIFETIME_{name.upper()}={raw} is invalid: {re.escape(expected)}"):
+        LifetimeSettings.from_environ(environ={f"ASGI_LIFETIME_{name.upper()}": raw}, env_file=None)
