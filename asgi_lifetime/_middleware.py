@@ -45,6 +45,11 @@ class Lifetime:
     """
 
     def __init__(self, settings: LifetimeSettings) -> None:
+        if not isinstance(settings, LifetimeSettings):  # a mapping (app.state takes one) failed later, unnamed
+            raise TypeError(
+                f"settings must be a LifetimeSettings, not {type(settings).__name__}; "
+                "LifetimeSettings.from_mapping() builds one from a mapping"
+            )
         self.settings = settings
         self.counters = Counters()
         self.admission = Admission(

@@ -48,16 +48,14 @@ GiB = 1024 * MiB
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
-    "k": 1000,
     "kb": 1000,
     "kib": KiB,
-    "m": 1000**2,
     "mb": 1000**2,
     "mib": MiB,
-    "g": 1000**3,
     "gb": 1000**3,
     "gib": GiB,
 }
+_AMBIGUOUS_UNITS = {"K", "M", "G"}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -65,18 +63,31 @@ _FALSE = {"0", "false", "no", "off"}
 
 def _parse_size(text: str) -> int:
     match = _SIZE_RE.match(text)
-    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+    number, unit = (match.group(1), match.group(2).upper()) if match is not None else ("", "")
+    if unit in _AMBIGUOUS_UNITS:
+        # nginx (client_max_body_size 64m), docker and the JVM read 64m as 64 MiB, Kubernetes 64M as 64 MB.
+        raise ValueError(
+            f"a one-letter unit is ambiguous: write {number}{unit}iB (binary, as nginx reads {number}{unit.lower()}) "
+            f"or {number}{unit}B (decimal)"
+        )
+    if match is None or unit.lower() not in _SIZE_UNITS:
         raise ValueError("expected a byte size such as 65536, 64MiB or 1GB")
     # Exact arithmetic: a float would turn "2.01KB" into 2009 and a very long number into inf.
     return int(Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
 def _parse_int(text: str) -> int:
-    return int(text.strip())
+    try:
+        return int(text.strip())
+    except ValueError:  # Python's "invalid literal for int() with base 10" is not the operator's language
+        raise ValueError("expected a whole number") from None
 
 
 def _parse_float(text: str) -> float:
-    value = float(text.strip())
+    try:
+        value = float(text.strip())
+    except ValueError:  # every float setting is a duration: 30s and 1m are the likely mistakes
+        raise ValueError("expected a number of seconds such as 30 or 2.5 (no unit)") from None
     if not math.isfinite(value):
         raise ValueError("expected a finite number")
     return value
@@ -150,10 +161,17 @@ def _path_prefixes(value: Any) -> str | None:
 
 
 def _urls(value: Any) -> str | None:
+    seen: set[str] = set()
     for url in value:
         problem = base_url_problem(url)
         if problem is not None:
             return f"each upstream must be an http:// or https:// base URL: {redact_url(url)!r} {problem}"
+        # The pool refuses a repeat (every worker's start would fail); a trailing "/" or user info
+        # does not make another upstream.
+        base = _split_url(url)[0].rstrip("/")
+        if base in seen:
+            return f"{redact_url(url)!r} names an upstream twice: list each one once"
+        seen.add(base)
     return None
 
 
@@ -161,13 +179,18 @@ def base_url_problem(url: str) -> str | None:
     """Why ``url`` cannot be a base URL that request paths are appended to, or None."""
     if not re.match(r"^https?://[^\s/]+", url) or re.search(r"\s", url):
         return "is not one"
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # "Invalid IPv6 URL": an unclosed "[" (the error would name neither setting nor value)
+        return "has an invalid IPv6 address"
     if parts.query or parts.fragment or "?" in url or "#" in url:
         # The request path would land in the query (or be dropped): every request misrouted.
         return "has a query or fragment; a request's path and query are appended to the base URL"
     try:
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+        port = parts.port  # raises ValueError for a port that is not a number in 0-65535
     except ValueError:
+        port = 0
+    if port == 0:  # port 0 cannot be connected to: every request "unreachable" after every retry
         return "has an invalid port"
     return None if parts.hostname else "has no host"
 
@@ -190,7 +213,10 @@ def _parse_lower(text: str) -> str:
 def _session_store(value: Any) -> str | None:
     if value == "memory":
         return None
-    parts = urlsplit(value)
+    try:
+        parts = urlsplit(value)
+    except ValueError:  # an unclosed "[": say which setting, not just "Invalid IPv6 URL"
+        parts = urlsplit("")
     if parts.scheme in ("redis", "rediss") and parts.hostname:
         return None
     return "must be memory or a redis:// or rediss:// URL with a host"
@@ -463,7 +489,7 @@ class LifetimeSettings:
             if isinstance(value, list):  # accept lists from code, store tuples
                 value = tuple(value)
                 object.__setattr__(self, name, value)
-            problem = _type_problem(name, value) or spec.check(value)
+            problem = _type_problem(name, value) or spec.check(value) or _invisible_problem(value)
             if problem:
                 raise ValueError(f"{spec.env}={_show(spec, value)} is invalid: {problem}")
         self._split_userinfo()
@@ -528,8 +554,12 @@ class LifetimeSettings:
         """Build from a mapping. Keys may be ``max_body_bytes``, ``MAX_BODY_BYTES`` or
         ``ASGI_LIFETIME_MAX_BODY_BYTES``; string values are parsed, typed values taken as they are."""
         changes: dict[str, Any] = {}
+        keys: dict[str, str] = {}
         for key, value in mapping.items():
             spec = _spec_for(key)
+            if spec.name in keys:  # max_inflight and MAX_INFLIGHT: which one was meant?
+                raise ValueError(f"{spec.name} is given twice ({keys[spec.name]!r} and {key!r})")
+            keys[spec.name] = key
             changes[spec.name] = _coerce(spec, value)
         return dataclasses.replace(base or cls(), **changes)
 
@@ -568,11 +598,15 @@ def collect_environ(
     environment should fail loudly at start, not be ignored.
     """
     env = os.environ if environ is None else environ
-    file = env_file if env_file is not None and os.path.isfile(env_file) else None
+    # A pipe is read (``--env-file <(sops -d prod.env)``); a directory is not an env file (``./.env`` may be a
+    # virtualenv: ``python -m venv .env``).
+    file = env_file if env_file is not None and os.path.exists(env_file) and not os.path.isdir(env_file) else None
     file_values = read_env_file(file) if file is not None else {}
     for key in [*env, *file_values]:
-        if key.startswith(ENV_PREFIX):
-            _spec_for(key)
+        if key.upper().startswith(ENV_PREFIX):
+            spec = _spec_for(key)
+            if key != spec.env:  # the environment is case-sensitive: a lower-case name would be ignored
+                raise ValueError(f"{key!r} is not read: setting names are upper case ({spec.env})")
     found: dict[str, tuple[str, str]] = {}
     for name, spec in SETTINGS.items():
         if spec.env in env:
@@ -590,25 +624,42 @@ _QUOTED = re.compile(r"""(["'])(.*?)\1(?:\s+#.*)?""", re.DOTALL)
 def read_env_file(path: str | Path) -> dict[str, str]:
     """``NAME=value`` lines of an env file, read as shells and docker compose read them: an ``export``
     before the name, a value in matching quotes (taken as it is), a comment after an unquoted value
-    (`` # ...``, whitespace before the ``#``). Blank lines and ``#`` lines are skipped; later lines win."""
+    (`` # ...``, whitespace before the ``#``). Blank lines and ``#`` lines are skipped; later lines win.
+    UTF-8, a byte order mark allowed. ``ValueError`` naming the file (and line, never the value) when it
+    cannot be read, is not UTF-8, or a line of ours has no ``=`` or an unmatched quote."""
     values: dict[str, str] = {}
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, 1):
-            match = _ENV_LINE.fullmatch(line)
-            if match is None:
-                # ``NAME: value`` (a compose file's environment map) or ``NAME value`` would otherwise
-                # leave the setting at its default, unnoticed: only this package's names, never the value.
-                # A bare ``NAME`` stays allowed (docker's env files: take it from the environment).
-                ours = _ENV_NAME.match(line)
-                rest = line[ours.end() :].strip() if ours is not None else ""
-                if ours is not None and ours[1].upper().startswith(ENV_PREFIX) and rest and rest[0] != "#":
-                    raise ValueError(f"{path}, line {number}: {ours[1]} has no '=' (expected {ours[1]}=value)")
-                continue
-            if match[1].startswith("#"):
-                continue
-            name, value = match[1], match[2]
-            quoted = _QUOTED.fullmatch(value)
-            values[name] = quoted[2] if quoted else re.sub(r"\s+#.*", "", value)
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    # A byte order mark (Windows editors) would otherwise become part of the first name, which then is no setting.
+    for number, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:  # its message names neither the file nor the line (never the value)
+            raise ValueError(f"{path}, line {number}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        match = _ENV_LINE.fullmatch(line)
+        if match is None:
+            # ``NAME: value`` (a compose file's environment map) or ``NAME value`` would otherwise
+            # leave the setting at its default, unnoticed: only this package's names, never the value.
+            # A bare ``NAME`` stays allowed (docker's env files: take it from the environment).
+            ours = _ENV_NAME.match(line)
+            rest = line[ours.end() :].strip() if ours is not None else ""
+            if ours is not None and ours[1].upper().startswith(ENV_PREFIX) and rest and rest[0] != "#":
+                raise ValueError(f"{path}, line {number}: {ours[1]} has no '=' (expected {ours[1]}=value)")
+            continue
+        if match[1].startswith("#"):
+            continue
+        name, value = match[1], match[2]
+        quoted = _QUOTED.fullmatch(value)
+        if quoted is None and value[:1] in ("'", '"') and name.upper().startswith(ENV_PREFIX):
+            # Taken as written, the quote would be part of the value (a key with a quote: every request a 401).
+            raise ValueError(
+                f"{path}, line {number}: {name} has an unmatched quote (a quoted value ends on its line, "
+                "before any comment)"
+            )
+        values[name] = quoted[2] if quoted else re.sub(r"\s+#.*", "", value)
     return values
 
 
@@ -646,6 +697,16 @@ def _kind_problem(value: Any, expected: tuple[type, ...]) -> str | None:
         return "must be a list of strings"
     if isinstance(value, float) and not math.isfinite(value):
         return "must be a finite number"
+    return None
+
+
+def _invisible_problem(value: Any) -> str | None:
+    """A text value with a character no report shows (a zero-width space pasted from a web page, a control
+    character): the URL, path prefix or directory would never be the one meant, and look right everywhere."""
+    for text in value if isinstance(value, tuple) else (value,):
+        if isinstance(text, str) and not text.isprintable():
+            char = next(c for c in text if not c.isprintable())
+            return f"has an invisible or control character (U+{ord(char):04X})"
     return None
 
 

@@ -9,8 +9,8 @@
 
 Every setting in ``SETTINGS`` is also a flag. ``serve`` validates the effective settings once
 (flag > environment > .env file > default), exports them as ``ASGI_LIFETIME_*`` variables and
-runs uvicorn with the factory ``asgi_lifetime.gateway:create_app``, so one worker and N workers
-build their app the same way: from the environment. With N workers and no
+runs uvicorn with the factory ``serve_app`` (``asgi_lifetime.gateway:create_app`` on those variables
+alone), so one worker and N workers build their app the same way: from the environment. With N workers and no
 ``PROMETHEUS_MULTIPROC_DIR`` it creates a private one (removed at exit), so ``/metrics`` and
 ``/lifetime/stats`` report every worker whichever one answers.
 """
@@ -73,6 +73,7 @@ __all__ = [
     "redact_url",
     "refusal",
     "resolve_settings",
+    "serve_app",
     "server_config",
     "settings_markdown",
     "settings_report",
@@ -81,7 +82,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PROG = "asgi-lifetime"
-GATEWAY_FACTORY = "asgi_lifetime.gateway:create_app"
+# The gateway built from the settings serve exported, and only from them (see serve_app).
+GATEWAY_FACTORY = "asgi_lifetime._cli._main:serve_app"
 COMMAND_LINE = "command line"
 DEFAULT = "default"
 # After SHUTDOWN_GRACE the gateway ends the streams itself; this is uvicorn's hard backstop beyond that.
@@ -200,6 +202,9 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         help_text = f"{spec.help} [{spec.env}; default {default}]"
         if spec.secret:
             help_text += " Prefer the environment: a command line is visible to other local users."
+        if spec.parse is _parse_list:
+            # Repeats as --upstream does: a repeated --paths or --gateway-keys kept only the last value.
+            help_text += " May repeat."
         if name == "upstream_url":
             group.add_argument(
                 _flag(name),
@@ -210,7 +215,10 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
                 help=f"{spec.help} May repeat. [{spec.env}; default: none, a DEMO upstream is served]",
             )
             continue
-        group.add_argument(_flag(name), dest=name, metavar=_metavar(spec), help=help_text.replace("%", "%%"))
+        action = "append" if spec.parse is _parse_list else "store"
+        group.add_argument(
+            _flag(name), dest=name, action=action, metavar=_metavar(spec), help=help_text.replace("%", "%%")
+        )
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, str]:
@@ -232,8 +240,10 @@ def resolve_settings(
     ``env_file``: a path that must exist, or ``None`` for ``./.env`` if it exists. Any invalid
     value raises ``CommandError`` naming the setting and where it came from.
     """
-    if env_file is not None and not os.path.isfile(env_file):
+    if env_file is not None and not os.path.exists(env_file):
         raise CommandError(f"--env-file {env_file}: no such file")
+    if env_file is not None and os.path.isdir(env_file):
+        raise CommandError(f"--env-file {env_file}: is a directory")
     try:
         found = collect_environ(environ, env_file=env_file if env_file is not None else ".env")
     except ValueError as exc:
@@ -526,8 +536,25 @@ def server_config(args: argparse.Namespace, settings: LifetimeSettings) -> uvico
     )
 
 
+def serve_app() -> Any:
+    """The app each ``serve`` worker runs: the gateway built from the settings ``serve`` exported, and only
+    from them. ``create_app()`` would read ``./.env`` as well, which ``--env-file`` replaced: a stray line
+    there (a typo, a bad byte) failed every worker's start after ``serve`` had accepted the settings."""
+    from ..gateway import create_app
+
+    return create_app(LifetimeSettings.from_environ(env_file=None))
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    settings, _ = resolve_settings(flag_values(args), os.environ, env_file=args.env_file)
+    settings, sources = resolve_settings(flag_values(args), os.environ, env_file=args.env_file)
+    if not settings.upstream_url and sources["upstream_url"] != DEFAULT:
+        # ``--upstream "$URL"`` or ``UPSTREAM_URL=${URL}`` with URL unset: the DEMO upstream would answer
+        # every client with lorem ipsum and 200s.
+        where = "--upstream" if sources["upstream_url"] == COMMAND_LINE else f"from the {sources['upstream_url']}"
+        raise CommandError(
+            f"{SETTINGS['upstream_url'].env} is empty ({where}): name an upstream, or leave it unset for the "
+            "DEMO upstream"
+        )
     problem = refusal(settings, args.host)
     if problem:
         raise CommandError(problem)
@@ -558,6 +585,35 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------
 
 
+def _port(text: str) -> int:
+    """``--port``: 0-65535. getaddrinfo takes 99999 as 34463 (modulo 65536): the server would listen there."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port (0-65535)")
+    return port
+
+
+def _host(text: str) -> str:
+    """``--host``: not empty. ``--host "$HOST"`` with HOST unset listened on every address."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty host listens on every address; name one (0.0.0.0 for that)")
+    return text
+
+
+def _non_negative_int(text: str) -> int:
+    """``--timeout-keep-alive``: a negative one closed every idle connection at once."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a whole number of seconds, 0 or greater")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter)
@@ -573,8 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     server = serve.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
-    server.add_argument("--port", type=int, default=8080, help="port to bind (default %(default)s)")
+    server.add_argument("--host", type=_host, default="127.0.0.1", help="address to bind (default %(default)s)")
+    server.add_argument("--port", type=_port, default=8080, help="port to bind (default %(default)s)")
     server.add_argument("--workers", type=int, default=1, help="worker processes (default %(default)s)")
     server.add_argument(
         "--http",
@@ -610,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--timeout-keep-alive",
-        type=int,
+        type=_non_negative_int,
         default=5,
         metavar="SECONDS",
         help="close idle client connections after this long; behind a load balancer, set it above "

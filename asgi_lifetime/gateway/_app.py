@@ -82,13 +82,13 @@ def create_app(
     """
     if settings is None:
         settings = LifetimeSettings.from_environ()
+    lifetime = Lifetime(settings)  # first: it checks that settings is a LifetimeSettings
     user_info = bool(settings.upstream_userinfo)  # sent as Authorization: Basic, a credential as the key is
     gap = open_beyond_loopback(settings.upstream_api_key, settings.gateway_keys, upstream_user_info=user_info)
     if gap is not None:
         # With a credential of its own and no gateway keys, GatewayAuth serves loopback clients only.
         guarded = settings.upstream_api_key or user_info
         logger.warning("%s%s", gap, " (only loopback clients will be served)" if guarded else "")
-    lifetime = Lifetime(settings)
     book = make_session_book(settings, lifetime=lifetime, on_change=on_change)
     listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]
     upstream = UpstreamClient(
