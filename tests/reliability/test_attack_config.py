@@ -62,8 +62,14 @@ def never_serve(*args: object, **kwargs: object) -> None:
     raise AssertionError("this test must not start a server")
 
 
-def serve_fails(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
+def no_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve`` in process, stopped before a server runs (the logging setup it applies on the way is undone
+    after the test, tests/conftest.py)."""
     monkeypatch.setattr(uvicorn.Server, "run", never_serve)
+
+
+def serve_fails(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
+    no_server(monkeypatch)
     assert main(["serve", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("asgi-lifetime: ")
@@ -204,6 +210,7 @@ def test_serve_workers_do_not_read_the_dot_env_that_env_file_replaced(
     export_environ(settings, environ)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
+    no_server(monkeypatch)
     config = server_config(args, settings)
     factory = import_from_string(config.app)
     app = factory()
@@ -380,7 +387,7 @@ def test_printable_unicode_is_still_accepted() -> None:
 def test_serve_refuses_server_flags_that_mean_something_else(
     argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(uvicorn.Server, "run", never_serve)
+    no_server(monkeypatch)
     with pytest.raises(SystemExit) as info:
         main(["serve", "--upstream", "http://127.0.0.1:9", *argv])
     assert info.value.code == 2
