@@ -217,7 +217,7 @@ def _param_name(part: bytes) -> bytes:
 
 class KeyScrubber:
     """Replaces the gateway's upstream keys with ``[redacted]`` in what goes back to clients: each
-    key given (``UPSTREAM_API_KEY``, and the Basic credential of each upstream URL's user info).
+    key given (``UPSTREAM_API_KEY``, and the Basic credential and secret of each upstream URL's user info).
 
     Spellings covered: the bare key (so ``Bearer <key>`` too), its JSON-escaped forms (``\\/``,
     every character ``\\u``-escaped) and percent-encoded forms, and, in JSON, any mix of escapes
