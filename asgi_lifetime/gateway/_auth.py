@@ -209,6 +209,11 @@ def _without_key_param(query: bytes) -> bytes:
     return b"&".join(kept)
 
 
+def has_key_param(query: bytes) -> bool:
+    """Whether the query string carries a credential parameter (read as ``_without_key_param`` reads it)."""
+    return any(_param_name(part) in _KEY_PARAMS for part in query.split(b"&")) if query else False
+
+
 def _param_name(part: bytes) -> bytes:
     name = unquote_to_bytes(part.partition(b"=")[0].replace(b"+", b" "))
     # ``key%3D=...`` decodes to ``key=``: the name a lenient server would see ends at its first '='.

@@ -36,7 +36,7 @@ from .._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, Upstr
 from .._middleware import Lifetime
 from .._settings import LifetimeSettings, base_url_problem, redact_url
 from .._stats import Counters
-from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber
+from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber, has_key_param
 from ._error_body import ErrorBody, read_error_body, replay
 from ._pool import UpstreamPool
 from ._prepare import Prepared, Spliced
@@ -705,9 +705,12 @@ class UpstreamClient:
         if prepared.has_body:
             headers.append(("Content-Length", str(prepared.body_size)))
         basic = self._basic.get(base)
-        # A credential among the caller's client= default headers counts too (else two would go out).
-        if basic is not None and not any(
-            k.lower().encode("latin-1") in CREDENTIAL_HEADERS for k, _ in (*defaults, *outbound)
+        # A credential among the caller's client= default headers counts too (else two would go out), and so
+        # does a client's key in the query (Gemini's ?key=).
+        if (
+            basic is not None
+            and not has_key_param(url.query)
+            and not any(k.lower().encode("latin-1") in CREDENTIAL_HEADERS for k, _ in (*defaults, *outbound))
         ):
             headers.append(("Authorization", basic))
         # Values are the latin-1 text of the client's bytes (obs-text included): send those bytes.

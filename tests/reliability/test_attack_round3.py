@@ -8,6 +8,8 @@ Findings (fixed with these tests):
   name (``https://TOKEN@host``): only the Basic token (base64) was scrubbed, while ``UPSTREAM_API_KEY`` in
   the same message was. It is scrubbed now from 8 characters on (a shorter one, ``user:pass``, only as its
   Basic token: decoded, every "password" in the answers would lose its "pass").
+- A loopback client's own key in the query (``?key=``, Gemini's REST form) was not counted as its own
+  credential: the user info's Basic went upstream beside it.
 - ``examples/deploy/compose.yaml`` passed ``ASGI_LIFETIME_UPSTREAM_URL: ${UPSTREAM_URL:-}``: since ``serve``
   refuses an empty ``UPSTREAM_URL``, the documented quick start (``docker compose up`` without
   ``UPSTREAM_URL``, a DEMO upstream) stopped both replicas with exit status 2.
@@ -405,3 +407,106 @@ async def test_an_unexpected_failure_is_recorded_alike_everywhere_and_nothing_is
     assert record.__dict__["asgi_lifetime"]["status"] == status
     assert re.search(rf'status="{status}"', metrics), metrics[:2000]
     await assert_idle(app)
+
+
+DOCUMENTED = sorted(
+    {
+        match
+        for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").rglob("*.*")]
+        for match in re.findall(r"ASGI_LIFETIME_[A-Z_]+=[^\s`|'\"]+", path.read_text(errors="replace"))
+    }
+)
+
+
+@pytest.mark.parametrize("assignment", DOCUMENTED)
+def test_every_documented_assignment_is_still_accepted(assignment: str) -> None:
+    name, _, value = assignment.partition("=")
+    LifetimeSettings.from_environ({name: value}, env_file=None)
+
+
+def test_a_plain_uvicorn_factory_still_reads_the_env_file_of_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # uvicorn --factory asgi_lifetime.gateway:create_app: only serve's workers stopped reading ./.env.
+    for name in [name for name in os.environ if name.startswith("ASGI_LIFETIME_")]:
+        monkeypatch.delenv(name)
+    (tmp_path / ".env").write_text(
+        "ASGI_LIFETIME_UPSTREAM_URL=http://user:pw-1@h.test:8000\nASGI_LIFETIME_MAX_INFLIGHT=7\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    app = create_app()
+    settings = app.state.lifetime.settings
+    assert settings.upstream_url == ("http://h.test:8000",) and settings.max_inflight == 7
+    assert settings.upstream_authorization("http://h.test:8000") == basic("user", "pw-1")
+
+
+@pytest.mark.parametrize(
+    ("auth", "header", "value"),
+    [
+        ("bearer", "authorization", "Bearer sk-up-42"),
+        ("x-api-key", "x-api-key", "sk-up-42"),
+        ("x-goog-api-key", "x-goog-api-key", "sk-up-42"),
+        ("api-key", "api-key", "sk-up-42"),
+    ],
+)
+async def test_with_an_upstream_key_no_upstream_gets_the_user_info_beside_it(
+    auth: str, header: str, value: str
+) -> None:
+    # The documented rule: the Basic credential goes only when neither the client nor UPSTREAM_API_KEY gives one.
+    seen: list[httpx.Headers] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers)
+        if len(seen) % 2:
+            return httpx.Response(503, json={"error": {"message": "busy"}})
+        return httpx.Response(200, json={"object": "chat.completion", "choices": []})
+
+    settings = LifetimeSettings(
+        upstream_url=("http://alice:pw-a-1f9e@a.test", "http://b.test"),
+        upstream_api_key="sk-up-42",
+        upstream_auth=auth,
+        gateway_keys=(GATEWAY_KEY,),
+        backoff_base=0.001,
+        backoff_max=0.001,
+    )
+    app = create_app(settings, transport=httpx.MockTransport(handler))
+    async with client_for(app) as client:
+        response = await client.post(
+            "/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {GATEWAY_KEY}"}
+        )
+    assert response.status_code == 200 and len(seen) == 2
+    for headers in seen:
+        assert headers.get_list(header) == [value]
+        assert all(not v.startswith("Basic") for v in headers.get_list("authorization"))
+        assert GATEWAY_KEY not in repr(headers.raw)
+
+
+@pytest.mark.parametrize(
+    ("query", "headers"),
+    [
+        ("?key=client-own", {}),  # Gemini's REST form
+        ("?alt=sse&KEY=client-own", {}),
+        ("?api_key=client-own", {}),
+        ("", {"x-goog-api-key": "client-own"}),
+        ("", {"authorization": "Bearer client-own"}),
+    ],
+)
+async def test_a_loopback_clients_own_credential_in_the_query_keeps_the_user_info_here(
+    query: str, headers: dict[str, str]
+) -> None:
+    # Before: a key in the query was not counted as the client's own credential: the user info's Basic went
+    # beside it (two credentials, the operator's spent on a request that brought its own).
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"candidates": []})
+
+    settings = LifetimeSettings(upstream_url=("http://user:pw-a-1f9e@a.test",), paths=("/v1beta/",))
+    app = create_app(settings, transport=httpx.MockTransport(handler))
+    async with client_for(app, LOCAL) as client:
+        path = "/v1beta/models/gemini-2.0-flash:generateContent" + query
+        assert (await client.post(path, json={"contents": []}, headers=headers)).status_code == 200
+    [request] = seen
+    assert not any(value.startswith("Basic") for value in request.headers.get_list("authorization"))
+    assert "client-own" in str(request.url) + repr(request.headers.raw)
