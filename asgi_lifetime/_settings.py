@@ -535,6 +535,15 @@ class LifetimeSettings:
         token = f"{unquote(user)}:{unquote(password)}".encode()
         return "Basic " + base64.b64encode(token).decode("ascii")
 
+    def upstream_secret(self, base_url: str) -> str | None:
+        """What of ``base_url``'s user info is secret, decoded as the upstream reads it: the password, or a
+        user name given alone (a token, ``https://TOKEN@host``); ``None`` if it had no user info."""
+        userinfo = dict(self.upstream_userinfo).get(base_url)
+        if userinfo is None:
+            return None
+        user, _, password = userinfo.partition(":")
+        return unquote(password or user)
+
     def shown_upstream_urls(self) -> tuple[str, ...]:
         """The upstream URLs as a person may see them: ``http://user:***@host``."""
         userinfo = dict(self.upstream_userinfo)

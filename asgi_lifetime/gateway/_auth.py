@@ -209,6 +209,11 @@ def _without_key_param(query: bytes) -> bytes:
     return b"&".join(kept)
 
 
+def has_key_param(query: bytes) -> bool:
+    """Whether the query string carries a credential parameter (read as ``_without_key_param`` reads it)."""
+    return any(_param_name(part) in _KEY_PARAMS for part in query.split(b"&")) if query else False
+
+
 def _param_name(part: bytes) -> bytes:
     name = unquote_to_bytes(part.partition(b"=")[0].replace(b"+", b" "))
     # ``key%3D=...`` decodes to ``key=``: the name a lenient server would see ends at its first '='.
@@ -217,7 +222,7 @@ def _param_name(part: bytes) -> bytes:
 
 class KeyScrubber:
     """Replaces the gateway's upstream keys with ``[redacted]`` in what goes back to clients: each
-    key given (``UPSTREAM_API_KEY``, and the Basic credential of each upstream URL's user info).
+    key given (``UPSTREAM_API_KEY``, and the Basic credential and secret of each upstream URL's user info).
 
     Spellings covered: the bare key (so ``Bearer <key>`` too), its JSON-escaped forms (``\\/``,
     every character ``\\u``-escaped) and percent-encoded forms, and, in JSON, any mix of escapes

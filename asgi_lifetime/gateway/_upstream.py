@@ -23,7 +23,7 @@ import math
 import random
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
@@ -36,7 +36,7 @@ from .._exceptions import NO_CLIENT_RETRY, UpstreamError, UpstreamTimeout, Upstr
 from .._middleware import Lifetime
 from .._settings import LifetimeSettings, base_url_problem, redact_url
 from .._stats import Counters
-from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber
+from ._auth import CREDENTIAL_HEADERS, REDACTED, KeyScrubber, has_key_param
 from ._error_body import ErrorBody, read_error_body, replay
 from ._pool import UpstreamPool
 from ._prepare import Prepared, Spliced
@@ -101,6 +101,15 @@ _SEND_SLICE = SLICE
 # Upstream URLs parsed once (``UpstreamClient._url``): how many, and how long each may be.
 _URLS = 256
 _URL_BYTES = 1024
+# A user info secret shorter than this is scrubbed only as its Basic token, not decoded: "pass" would be cut
+# out of every "password" in the answers (a key or a generated password is longer).
+_SECRET_SCRUBBED = 8
+
+
+def _scrubbed_secrets(settings: LifetimeSettings, urls: Iterable[str]) -> list[str]:
+    """The user info secrets of ``urls`` scrubbed decoded (see ``_SECRET_SCRUBBED``)."""
+    secrets = (settings.upstream_secret(url) or "" for url in urls)
+    return [secret for secret in secrets if len(secret) >= _SECRET_SCRUBBED]
 
 
 class _BodyIterator:
@@ -349,9 +358,12 @@ class UpstreamClient:
         self._pool = UpstreamPool(urls, cooloff=settings.upstream_cooloff)
         self._owns_client = client is None
         self._transport: UpstreamTransport | None = None
-        # An upstream may quote the credential it got: the user info's Basic token is as secret as the key.
+        # An upstream may quote the credential it got, as the Basic token or decoded (a 401 quoting the key it
+        # was given, as OpenAI's does): both are as secret as the key.
         basic_tokens = (value.removeprefix("Basic ") for value in self._basic.values())
-        self._scrubber = KeyScrubber(settings.upstream_api_key, *basic_tokens)
+        self._scrubber = KeyScrubber(
+            settings.upstream_api_key, *basic_tokens, *_scrubbed_secrets(settings, self._basic)
+        )
         if client is None:
             # No read timeout: the headers wait is bounded below, the body by the relay's stall guard.
             timeout = httpx.Timeout(
@@ -693,9 +705,12 @@ class UpstreamClient:
         if prepared.has_body:
             headers.append(("Content-Length", str(prepared.body_size)))
         basic = self._basic.get(base)
-        # A credential among the caller's client= default headers counts too (else two would go out).
-        if basic is not None and not any(
-            k.lower().encode("latin-1") in CREDENTIAL_HEADERS for k, _ in (*defaults, *outbound)
+        # A credential among the caller's client= default headers counts too (else two would go out), and so
+        # does a client's key in the query (Gemini's ?key=).
+        if (
+            basic is not None
+            and not has_key_param(url.query)
+            and not any(k.lower().encode("latin-1") in CREDENTIAL_HEADERS for k, _ in (*defaults, *outbound))
         ):
             headers.append(("Authorization", basic))
         # Values are the latin-1 text of the client's bytes (obs-text included): send those bytes.

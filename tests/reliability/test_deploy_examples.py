@@ -55,7 +55,12 @@ def nginx_size(value: str) -> int:
 
 def settings_from(env: dict[str, Any]) -> LifetimeSettings:
     """Validate the ``ASGI_LIFETIME_*`` variables of an example as the gateway would at start."""
-    names = {key[len(ENV_PREFIX) :].lower(): str(value) for key, value in env.items() if key.startswith(ENV_PREFIX)}
+    # A key without a value (compose: taken from the shell or .env, else unset) is left to the operator too.
+    names = {
+        key[len(ENV_PREFIX) :].lower(): str(value)
+        for key, value in env.items()
+        if key.startswith(ENV_PREFIX) and value is not None
+    }
     unknown = set(names) - set(SETTINGS) - PENDING
     assert not unknown, f"not settings: {unknown}"
     # ${VAR:-} interpolations are left to the operator; an empty value means the default.
