@@ -336,7 +336,7 @@ async def test_a_head_that_cannot_be_forwarded_gets_the_refused_line_with_its_co
     assert (line["status"], line["outcome"], line["code"]) == ("400", "refused", "invalid_header")
 
 
-class _BrokenStream(httpx.AsyncByteStream):
+class BrokenStream(httpx.AsyncByteStream):
     """An upstream body whose transport fails with a defect (not an httpx error) after its first chunk."""
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -344,7 +344,7 @@ class _BrokenStream(httpx.AsyncByteStream):
         raise RuntimeError("a transport's defect")
 
 
-def _explode(draft: object) -> None:
+def explode(draft: object) -> None:
     raise RuntimeError("a preparer's defect")
 
 
@@ -358,13 +358,13 @@ async def test_an_unexpected_exception_is_recorded_with_the_status_the_client_go
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
 
     def upstream(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_BrokenStream())
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=BrokenStream())
 
     settings = LifetimeSettings(upstream_url=("http://a.test",))
     app = create_app(
         settings,
         transport=httpx.MockTransport(upstream),
-        preparers=[_explode] if where == "preparer" else [],
+        preparers=[explode] if where == "preparer" else [],
     )
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:

@@ -32,7 +32,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -52,6 +52,7 @@ from asgi_lifetime.gateway import Outcome, create_app
 from asgi_lifetime.testing import assert_idle
 from asgi_lifetime.testing._serve import serve_in_thread
 from tests._servers import free_port
+from tests.gateway.test_access_log import BrokenStream, explode
 
 pytestmark = pytest.mark.anyio
 
@@ -350,16 +351,6 @@ def test_the_example_env_file_and_manifests_still_validate() -> None:
 # --- (4) an unexpected exception's record ---------------------------------------------------------------
 
 
-class _BrokenStream(httpx.AsyncByteStream):
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        yield b'data: {"choices": []}\n\n'
-        raise RuntimeError("a transport's defect")
-
-
-def _explode(draft: object) -> None:
-    raise RuntimeError("a preparer's defect")
-
-
 class _Recorder:
     def __init__(self, *, fail: bool) -> None:
         self.outcomes: list[Outcome] = []
@@ -388,13 +379,13 @@ async def test_an_unexpected_failure_is_recorded_alike_everywhere_and_nothing_is
                 headers={"content-type": "text/event-stream"},
                 content=b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n',
             )
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_BrokenStream())
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=BrokenStream())
 
     book = _Recorder(fail=where == "bookkeeper")
     app = create_app(
         LifetimeSettings(upstream_url=("http://a.test",)),
         transport=httpx.MockTransport(upstream),
-        preparers=[_explode] if where == "preparer" else [],
+        preparers=[explode] if where == "preparer" else [],
         bookkeeper=book,
     )
     async with client_for(app, LOCAL) as client:
