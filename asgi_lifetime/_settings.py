@@ -526,23 +526,30 @@ class LifetimeSettings:
         object.__setattr__(self, "upstream_url", tuple(clean))
         object.__setattr__(self, "upstream_userinfo", tuple((u, found[u]) for u in dict.fromkeys(clean) if u in found))
 
-    def upstream_authorization(self, base_url: str) -> str | None:
-        """The ``Authorization: Basic`` value for ``base_url``'s user info, or ``None`` if it had none."""
+    def _credentials(self, base_url: str) -> tuple[str, str] | None:
+        """``base_url``'s user info as the upstream reads it (user, password: percent-decoded), or ``None``."""
         userinfo = dict(self.upstream_userinfo).get(base_url)
         if userinfo is None:
             return None
         user, _, password = userinfo.partition(":")
-        token = f"{unquote(user)}:{unquote(password)}".encode()
+        return unquote(user), unquote(password)
+
+    def upstream_authorization(self, base_url: str) -> str | None:
+        """The ``Authorization: Basic`` value for ``base_url``'s user info, or ``None`` if it had none."""
+        credentials = self._credentials(base_url)
+        if credentials is None:
+            return None
+        token = ":".join(credentials).encode()
         return "Basic " + base64.b64encode(token).decode("ascii")
 
     def upstream_secret(self, base_url: str) -> str | None:
         """What of ``base_url``'s user info is secret, decoded as the upstream reads it: the password, or a
         user name given alone (a token, ``https://TOKEN@host``); ``None`` if it had no user info."""
-        userinfo = dict(self.upstream_userinfo).get(base_url)
-        if userinfo is None:
+        credentials = self._credentials(base_url)
+        if credentials is None:
             return None
-        user, _, password = userinfo.partition(":")
-        return unquote(password or user)
+        user, password = credentials
+        return password or user
 
     def shown_upstream_urls(self) -> tuple[str, ...]:
         """The upstream URLs as a person may see them: ``http://user:***@host``."""
