@@ -57,7 +57,7 @@ from .._settings import (
     collect_environ,
     redact_url,
 )
-from ..gateway._auth import is_loopback, open_beyond_loopback
+from ..gateway._auth import holds_credential, is_loopback, open_beyond_loopback
 from ..gateway._metrics import MULTIPROC_DIR_ENV, multiproc_directory_problem
 from ..gateway._shutdown import request_shutdown
 
@@ -281,16 +281,10 @@ def export_environ(settings: LifetimeSettings, environ: MutableMapping[str, str]
 def refusal(settings: LifetimeSettings, host: str) -> str | None:
     """Why the gateway must not start on ``host`` with these settings, or ``None``: keys that leave
     the port open (``open_beyond_loopback``) are only acceptable on a loopback address."""
-    user_info = bool(settings.upstream_userinfo)
-    keys = settings.gateway_keys
-    gap = (
-        None
-        if is_loopback(host)
-        else open_beyond_loopback(settings.upstream_api_key, keys, upstream_user_info=user_info)
-    )
+    gap = None if is_loopback(host) else open_beyond_loopback(settings)
     if gap is None:
         return None
-    fix = "set GATEWAY_KEYS" if settings.upstream_api_key or user_info else "set UPSTREAM_API_KEY, unset GATEWAY_KEYS,"
+    fix = "set GATEWAY_KEYS" if holds_credential(settings) else "set UPSTREAM_API_KEY, unset GATEWAY_KEYS,"
     return f"refusing to serve on {host}: {gap}; {fix} or bind a loopback --host"
 
 

@@ -37,7 +37,7 @@ from .._fingerprint import Fingerprint
 from .._middleware import Lifetime, LifetimeMiddleware
 from .._settings import LifetimeSettings
 from ._access_log import AccessLog
-from ._auth import GatewayAuth, open_beyond_loopback
+from ._auth import GatewayAuth, holds_credential, open_beyond_loopback
 from ._bookkeeping import Bookkeeper
 from ._forward import Forwarder
 from ._head import RequestHead
@@ -83,12 +83,10 @@ def create_app(
     if settings is None:
         settings = LifetimeSettings.from_environ()
     lifetime = Lifetime(settings)  # first: it checks that settings is a LifetimeSettings
-    user_info = bool(settings.upstream_userinfo)  # sent as Authorization: Basic, a credential as the key is
-    gap = open_beyond_loopback(settings.upstream_api_key, settings.gateway_keys, upstream_user_info=user_info)
+    gap = open_beyond_loopback(settings)
     if gap is not None:
         # With a credential of its own and no gateway keys, GatewayAuth serves loopback clients only.
-        guarded = settings.upstream_api_key or user_info
-        logger.warning("%s%s", gap, " (only loopback clients will be served)" if guarded else "")
+        logger.warning("%s%s", gap, " (only loopback clients will be served)" if holds_credential(settings) else "")
     book = make_session_book(settings, lifetime=lifetime, on_change=on_change)
     listeners: list[Callable[[AttemptEvent], None]] = [] if listener is None else [listener]
     upstream = UpstreamClient(
@@ -183,7 +181,7 @@ def create_app(
                 gateway_keys=settings.gateway_keys,
                 upstream_api_key=settings.upstream_api_key,
                 upstream_auth=settings.upstream_auth,
-                upstream_user_info=user_info,
+                upstream_user_info=bool(settings.upstream_userinfo),
                 body_limits=settings,
             ),
             # Then: a head that cannot be forwarded is refused before admission or body reading.

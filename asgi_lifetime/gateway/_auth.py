@@ -43,6 +43,7 @@ __all__ = [
     "GatewayAuth",
     "KeyScrubber",
     "is_loopback",
+    "holds_credential",
     "open_beyond_loopback",
 ]
 
@@ -156,14 +157,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def open_beyond_loopback(
-    upstream_api_key: str | None, gateway_keys: Collection[str], *, upstream_user_info: bool = False
-) -> str | None:
-    """What a client beyond loopback could do with these keys unchecked, or ``None``.
-    ``upstream_user_info``: an upstream URL carries user info, a credential the gateway sends.
+def holds_credential(settings: LifetimeSettings) -> bool:
+    """Whether the gateway sends a credential of its own upstream: ``UPSTREAM_API_KEY``, or user info in
+    an ``UPSTREAM_URL`` (sent as ``Authorization: Basic``). Then ``GatewayAuth`` must know who asks."""
+    return bool(settings.upstream_api_key or settings.upstream_userinfo)
+
+
+def open_beyond_loopback(settings: LifetimeSettings) -> str | None:
+    """What a client beyond loopback could do with these settings' keys unchecked, or ``None``.
 
     ``create_app`` warns with it; ``asgi-lifetime serve`` refuses a non-loopback host with it.
     """
+    upstream_api_key, gateway_keys = settings.upstream_api_key, settings.gateway_keys
+    upstream_user_info = bool(settings.upstream_userinfo)
     if upstream_api_key and not gateway_keys:
         return "UPSTREAM_API_KEY is set but GATEWAY_KEYS is not, so anyone who can reach the port would spend the key"
     if upstream_user_info and not gateway_keys:
@@ -171,7 +177,7 @@ def open_beyond_loopback(
             "UPSTREAM_URL has user info (sent as Authorization: Basic) but GATEWAY_KEYS is not set, so anyone "
             "who can reach the port would spend it"
         )
-    if gateway_keys and not (upstream_api_key or upstream_user_info):
+    if gateway_keys and not holds_credential(settings):
         # The keys are checked only where the gateway sends a credential of its own (the client's
         # Authorization header is otherwise its upstream credential): an operator who set them
         # believes the port closed.
