@@ -55,7 +55,7 @@ _SIZE_UNITS = {
     "gb": 1000**3,
     "gib": GiB,
 }
-_AMBIGUOUS_UNITS = {"K", "M", "G"}
+_AMBIGUOUS_UNITS = {"k", "m", "g"}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -63,17 +63,18 @@ _FALSE = {"0", "false", "no", "off"}
 
 def _parse_size(text: str) -> int:
     match = _SIZE_RE.match(text)
-    number, unit = (match.group(1), match.group(2).upper()) if match is not None else ("", "")
+    number, unit = (match.group(1), match.group(2).lower()) if match is not None else ("", "")
     if unit in _AMBIGUOUS_UNITS:
         # nginx (client_max_body_size 64m), docker and the JVM read 64m as 64 MiB, Kubernetes 64M as 64 MB.
+        letter = unit.upper()
         raise ValueError(
-            f"a one-letter unit is ambiguous: write {number}{unit}iB (binary, as nginx reads {number}{unit.lower()}) "
-            f"or {number}{unit}B (decimal)"
+            f"a one-letter unit is ambiguous: write {number}{letter}iB (binary, as nginx reads {number}{unit}) "
+            f"or {number}{letter}B (decimal)"
         )
-    if match is None or unit.lower() not in _SIZE_UNITS:
+    if match is None or unit not in _SIZE_UNITS:
         raise ValueError("expected a byte size such as 65536, 64MiB or 1GB")
     # Exact arithmetic: a float would turn "2.01KB" into 2009 and a very long number into inf.
-    return int(Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    return int(Fraction(number) * _SIZE_UNITS[unit])
 
 
 def _parse_int(text: str) -> int:
