@@ -37,6 +37,7 @@ __all__ = [
     "send_error",
     "single_field",
     "task_group",
+    "under",
     "upstream_path",
     "wait_disconnect",
 ]
@@ -134,9 +135,17 @@ def is_json(headers: Headers) -> bool:
     return value is None or b"json" in value
 
 
+def under(path: str, prefix: str) -> bool:
+    """Whether ``path`` is ``prefix`` or below it, segment by segment (as Starlette's ``Mount``):
+    ``/v1`` and ``/v1/`` both cover ``/v1`` and ``/v1/models``, neither covers ``/v1beta/models``."""
+    base = prefix.rstrip("/")
+    return path == base or path.startswith(base + "/")
+
+
 def _strip_root(scope: Scope, path: str) -> str:
     root: str = scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
+    # A mount at /api does not own /apix (Starlette's get_route_path draws the same line).
+    return path[len(root) :] if root and under(path, root) else path
 
 
 def route_path(scope: Scope) -> str:

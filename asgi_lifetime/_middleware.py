@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _json
 from ._admission import Admission, Ticket
-from ._asgi import REFUSED, BodyWatch, is_json, list_field, normalize_headers, route_path, send_error, task_group
+from ._asgi import REFUSED, BodyWatch, is_json, list_field, normalize_headers, route_path, send_error, task_group, under
 from ._body import parse_content_length, read_body
 from ._exceptions import (
     BodyAborted,
@@ -65,11 +65,11 @@ class Lifetime:
         return self.counters.snapshot()
 
     def handles(self, scope: Scope) -> bool:
-        """Whether a scope is an HTTP request under one of the configured path prefixes."""
+        """Whether a scope is an HTTP request under one of the configured path prefixes (whole segments)."""
         if scope["type"] != "http":
             return False
         path = route_path(scope)
-        return any(path.startswith(p) or path == p.rstrip("/") for p in self.settings.paths)
+        return any(under(path, prefix) for prefix in self.settings.paths)
 
 
 class RequestLifetime:

@@ -311,7 +311,12 @@ SETTINGS: dict[str, SettingSpec] = {
             positive,
             "Seconds the queue delay must stay above ADMISSION_TARGET_DELAY before new requests are shed.",
         ),
-        SettingSpec("paths", _parse_list, _path_prefixes, "Comma-separated path prefixes the middleware handles."),
+        SettingSpec(
+            "paths",
+            _parse_list,
+            _path_prefixes,
+            "Comma-separated path prefixes the middleware handles, whole segments: /v1 covers /v1/models, not /v1beta.",
+        ),
         # Forwarding.
         SettingSpec("upstream_url", _parse_list, _urls, "Comma-separated upstream base URLs."),
         SettingSpec("max_attempts", _parse_int, at_least_one, "Upstream attempts per request, all kinds."),

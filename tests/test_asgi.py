@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from asgi_lifetime._asgi import BodyWatch, normalize_headers, send_error, task_group
+from asgi_lifetime._asgi import BodyWatch, normalize_headers, route_path, send_error, task_group, under, upstream_path
 from asgi_lifetime._exceptions import BodyTooComplex, BodyTooLarge
 
 pytestmark = pytest.mark.anyio
@@ -209,3 +209,29 @@ async def test_over_http2_the_wait_for_the_body_is_bounded(case: str) -> None:
     with anyio.fail_after(2):
         sent = await _refuse("2", _watch(make(), **limits))
     assert [m.get("more_body") for m in sent[1:]] == [True, False]
+
+
+@pytest.mark.parametrize(
+    ("path", "prefix", "covered"),
+    [
+        ("/v1", "/v1/", True),
+        ("/v1/models", "/v1", True),
+        ("/v1beta/models", "/v1", False),
+        ("/v1beta/models", "/v1/", False),
+        ("/", "/", True),
+        ("/x", "/", True),
+        ("/v1/responses_x", "/v1/responses", False),
+    ],
+)
+def test_a_prefix_covers_whole_segments(path: str, prefix: str, covered: bool) -> None:
+    assert under(path, prefix) is covered
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [("/api/v1/x", "/v1/x"), ("/api", ""), ("/apiv1/x", "/apiv1/x")],  # a mount at /api does not own /apiv1
+)
+def test_the_mount_is_removed_at_a_segment_boundary(path: str, expected: str) -> None:
+    scope = {"type": "http", "path": path, "raw_path": path.encode(), "root_path": "/api"}
+    assert route_path(scope) == expected
+    assert upstream_path(scope) == expected

@@ -58,6 +58,18 @@ _FORWARDED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 _DRAIN_POLL = 0.05
 
 
+def _forwarded_routes(paths: Sequence[str], forwarder: Forwarder) -> list[Route]:
+    """The routes of the forwarded prefixes: each prefix itself and every path below it, the paths
+    ``LifetimeMiddleware.handles`` takes (a prefix alone no longer gets Starlette's slash redirect)."""
+    routes = []
+    for prefix in paths:
+        base = prefix.rstrip("/")
+        if base:
+            routes.append(Route(base, forwarder, methods=_FORWARDED_METHODS))
+        routes.append(Route(base + "/{path:path}", forwarder, methods=_FORWARDED_METHODS))
+    return routes
+
+
 def create_app(
     settings: LifetimeSettings | None = None,
     *,
@@ -167,10 +179,7 @@ def create_app(
             Route("/healthz", healthz, methods=["GET"]),
             Route("/lifetime/stats", stats, methods=["GET"]),
             make_metrics_route(metrics),
-            *(
-                Route(prefix.rstrip("/") + "/{path:path}", forwarder, methods=_FORWARDED_METHODS)
-                for prefix in settings.paths
-            ),
+            *_forwarded_routes(settings.paths, forwarder),
         ],
         middleware=[
             # Around every refuser: a request refused before the forwarder is logged and counted here.

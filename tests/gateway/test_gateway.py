@@ -746,3 +746,35 @@ async def test_the_client_watch_ends_by_itself_once_the_response_is_complete(
     else:  # trio may run the gateway's task again before the watch's: it is then cancelled, as before
         assert len(endings) == 3 and set(endings) <= {"ended", "cancelled"}, endings
     await assert_idle(app)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("paths", "path", "forwarded"),
+    [
+        # A prefix covers itself and what lies below it, whole segments only, with or without its final "/".
+        (("/v1/responses",), "/v1/responses", True),  # was Starlette's 307 to /v1/responses/
+        (("/v1/responses",), "/v1/responses/resp_1", True),
+        (("/v1/responses",), "/v1/responsesX", False),  # was read and admitted by the middleware, then a 404
+        (("/v1",), "/v1beta/models/g:generateContent", False),
+        (("/v1",), "/v1/models", True),
+        (("/v1/",), "/v1", True),  # was a 307 to /v1/
+        (("/v1/",), "/v1/", True),
+        (("/",), "/anything/at/all", True),
+        (("/",), "/", True),
+    ],
+)
+async def test_a_prefix_forwards_exactly_the_paths_the_middleware_handles(
+    paths: tuple[str, ...], path: str, forwarded: bool
+) -> None:
+    with respx.mock(assert_all_called=False) as mock:
+        route = mock.route(url__startswith=BASE).respond(200, json={"ok": True})
+        async with gateway(make_settings(paths=paths)) as (app, client):
+            response = await client.post(path, json={"x": 1})
+            stats = app.state.lifetime.stats()
+    assert response.status_code == (200 if forwarded else 404)
+    assert route.called is forwarded
+    if forwarded:
+        assert route.calls.last.request.url == httpx.URL(BASE + path)
+    # A path the gateway does not forward is not read or admitted either: one rule decides both.
+    assert stats.admitted == (1 if forwarded else 0)
