@@ -54,7 +54,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -100,6 +100,11 @@ _HOP_BY_HOP_RAW = frozenset(name.encode() for name in HOP_BY_HOP)
 # Set by the ASGI server on every response: the upstream's would be a second Date (a singleton
 # field) and would name the upstream's software. Reverse proxies drop them too (nginx does).
 _SERVER_SET = frozenset({b"date", b"server"})
+# nginx buffers what it proxies unless told otherwise (proxy_buffering is on by default): an event
+# stream would reach the client in lumps, its keep-alives too late to hold the client's read timeout
+# off. This field turns the buffering off for one answer; nginx acts on it and does not pass it on.
+_UNBUFFERED: Final = (b"x-accel-buffering", b"no")
+_SSE_REPLACED: Final = frozenset({b"content-length", _UNBUFFERED[0]})
 
 # Bounded time for closing an upstream response, even when the caller is being cancelled.
 # The unfinished event held back from the client (see the module docstring): the same bound as
@@ -379,9 +384,13 @@ class _Relay:
             headers = [(name, value) for name, value in filter_headers(response.headers) if name not in _SERVER_SET]
             if not all(_sendable(name, value) for name, value in headers):
                 headers = _sendable_only(headers)
-            # SSE: keep-alives and error events change the length. 204 and 304 have no body, whatever length the
-            # upstream gave (RFC 9110 8.6): uvicorn's httptools server would wait for it, then fail the response.
-            if sse or response.status_code in _NO_BODY_STATUSES:
+            # SSE: keep-alives and error events change the length, and the upstream's X-Accel-Buffering was
+            # meant for its own proxies. 204 and 304 have no body, whatever length the upstream gave (RFC 9110
+            # 8.6): uvicorn's httptools server would wait for it, then fail the response.
+            if sse:
+                headers = [(name, value) for name, value in headers if name not in _SSE_REPLACED]
+                headers.append(_UNBUFFERED)
+            elif response.status_code in _NO_BODY_STATUSES:
                 headers = [(name, value) for name, value in headers if name != b"content-length"]
             lengths = [value for name, value in headers if name == b"content-length"]
             self.declared = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None

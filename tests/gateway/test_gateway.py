@@ -778,3 +778,28 @@ async def test_a_prefix_forwards_exactly_the_paths_the_middleware_handles(
         assert route.calls.last.request.url == httpx.URL(BASE + path)
     # A path the gateway does not forward is not read or admitted either: one rule decides both.
     assert stats.admitted == (1 if forwarded else 0)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("content_type", "upstream_says", "client_gets"),
+    [
+        ("text/event-stream; charset=utf-8", [], ["no"]),
+        ("text/event-stream", [("X-Accel-Buffering", "yes")], ["no"]),  # meant for the upstream's own proxies
+        ("application/json", [], []),
+        ("application/json", [("X-Accel-Buffering", "yes")], ["yes"]),  # not an event stream: the upstream's
+    ],
+)
+async def test_an_event_stream_tells_nginx_not_to_buffer_it(
+    content_type: str, upstream_says: list[tuple[str, str]], client_gets: list[str]
+) -> None:
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+    body = event if "event-stream" in content_type else b"{}"
+    with respx.mock:
+        respx.post(url__startswith=BASE).respond(
+            200, headers=[("content-type", content_type), *upstream_says], content=body
+        )
+        async with gateway() as (_, client):
+            response = await client.post("/v1/chat/completions", json={"stream": True})
+    assert response.status_code == 200
+    assert response.headers.get_list("x-accel-buffering") == client_gets

@@ -12,16 +12,20 @@ text checks below them still run.
 from __future__ import annotations
 
 import re
+import socket
+import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from asgi_lifetime import LifetimeSettings, MiB
 from asgi_lifetime._cli._main import SHUTDOWN_BACKSTOP
 from asgi_lifetime._settings import ENV_PREFIX, SETTINGS, _parse_size
-from tests._nginx import EXAMPLE, UPSTREAM_BLOCK, check_config, loopback_site
-from tests._servers import free_port
+from asgi_lifetime.gateway import create_app
+from tests._nginx import EXAMPLE, UPSTREAM_BLOCK, check_config, loopback_site, nginx_server
+from tests._servers import free_port, served, threaded_server
 
 DEPLOY = EXAMPLE.parent
 NGINX = EXAMPLE.read_text()
@@ -213,3 +217,61 @@ def test_kubernetes_manifests() -> None:
     assert int(annotations[prefix + "proxy-read-timeout"]) > settings.headers_timeout
     backend = docs["Ingress"]["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend["name"] == docs["Service"]["metadata"]["name"]
+
+
+# --- an nginx that buffers (its default) ----------------------------------------------------------
+
+
+def _slow_stream(sock: socket.socket, first_seen: threading.Event, released: list[bool]) -> None:
+    """An upstream that sends one event, then waits (up to 10 s) for the client to have it before the rest."""
+    with sock:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(65536)
+        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))  # type: ignore[union-attr]
+        body = head.partition(b"\r\n\r\n")[2]
+        while len(body) < length:
+            body += sock.recv(65536)
+        sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = b'data: {"choices":[{"index":0,"delta":{"content":"first"}}]}\n\n'
+        sock.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+        released.append(first_seen.wait(10))
+        done = b"data: [DONE]\n\n"
+        sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+
+def test_an_nginx_that_buffers_and_compresses_relays_each_event_as_it_comes(tmp_path: Path) -> None:
+    """An nginx as many sites have it: answers buffered (its default, ``proxy_buffering on``) and
+    compressed (``gzip`` with event streams among its types). In buffered mode nginx's gzip holds
+    events until its buffer fills: the client got the first event only when the stream ended (its
+    10 s here). The gateway's SSE answers carry ``X-Accel-Buffering: no``: nginx then passes (and
+    flushes) each read as it comes."""
+    first_seen = threading.Event()
+    released: list[bool] = []
+    with (
+        threaded_server(lambda sock, _: _slow_stream(sock, first_seen, released)) as upstream,
+        served(create_app(LifetimeSettings(upstream_url=(upstream,))), "uvicorn-h11") as gateway,
+    ):
+        port = free_port()
+        site = (
+            f"server {{ listen 127.0.0.1:{port};\n"
+            f"  location / {{ proxy_pass {gateway}; proxy_http_version 1.1; proxy_read_timeout 30s; }} }}\n"
+        )
+        compressing = "gzip on; gzip_types text/event-stream;"
+        with (
+            nginx_server(tmp_path / "nginx", site, port=port, http_extra=compressing) as proxy,
+            httpx.Client(timeout=30) as client,
+        ):
+            payload = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            with client.stream("POST", proxy.base + "/v1/chat/completions", json=payload) as response:
+                assert response.status_code == 200
+                assert "x-accel-buffering" not in response.headers  # nginx acts on it and keeps it
+                lines = response.iter_lines()
+                assert (
+                    next(line for line in lines if line)
+                    == 'data: {"choices":[{"index":0,"delta":{"content":"first"}}]}'
+                )
+                first_seen.set()
+                assert "data: [DONE]" in list(lines)
+    # The upstream went on because the client had the first event, not because its 10 s ran out.
+    assert released == [True]
