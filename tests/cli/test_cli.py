@@ -588,19 +588,11 @@ def test_settings_and_errors_never_print_an_upstream_password(
 # --- the server: httptools and uvloop when installed -------------------------------------------------------------
 
 
-@pytest.fixture
-def no_logging_setup(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``uvicorn.Config()`` applies serve's logging setup to the whole process (httpx's loggers stop
-    propagating, and later tests' ``caplog`` misses them): these tests only build the config."""
-    monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)
-
-
 def _serve_config(*flags: str) -> uvicorn.Config:
     args = build_parser().parse_args(["serve", *flags])
     return server_config(args, LifetimeSettings())
 
 
-@pytest.mark.usefixtures("no_logging_setup")
 def test_serve_runs_httptools_and_uvloop_when_installed() -> None:
     """``--http auto`` / ``--loop auto`` (the defaults) resolve to httptools (without trailer fields) and uvloop."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -618,7 +610,6 @@ def test_serve_runs_httptools_and_uvloop_when_installed() -> None:
         loop.close()
 
 
-@pytest.mark.usefixtures("no_logging_setup")
 def test_serve_can_be_switched_to_h11_and_asyncio() -> None:
     config = _serve_config("--http", "h11", "--loop", "asyncio")
     assert config.http == "h11" and import_from_string(HTTP_PROTOCOLS["h11"]) is H11Protocol
@@ -631,7 +622,6 @@ def test_serve_can_be_switched_to_h11_and_asyncio() -> None:
         loop.close()
 
 
-@pytest.mark.usefixtures("no_logging_setup")
 @pytest.mark.parametrize(("flag", "module"), [("--http=httptools", "httptools"), ("--loop=uvloop", "uvloop")])
 def test_serve_says_what_to_install_for_a_missing_server_module(
     flag: str, module: str, monkeypatch: pytest.MonkeyPatch
