@@ -53,9 +53,10 @@ sessions in Redis, and keeps the in-memory book underneath as it always was:
   switches the book to its in-memory half: admissions do not ask Redis (``"local"``) and records are
   decided there (``on_change`` by this process alone), one warning line says so and
   ``asgi_lifetime_session_store_up`` drops to 0 (``..._fallbacks_total`` counts the switches).
-  The task pings meanwhile; when Redis answers again, one line says so, this process's leases
-  are written again and admissions and records go back to Redis. A full queue (Redis slower
-  than the traffic) settles that one operation locally.
+  The task asks meanwhile with a write (``_PROBE``: a Redis that answers but refuses writes is
+  not back), less often while Redis flaps (``_RETRY_MAX``); when Redis takes it, one line says so,
+  this process's leases are written again and admissions and records go back to Redis. A full
+  queue (Redis slower than the traffic) settles that one operation locally.
 
 redis-py's asyncio client runs on asyncio only. On another event loop (trio) the book says so
 in one warning line and stays on its in-memory half.
@@ -82,6 +83,7 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -118,6 +120,10 @@ _QUEUE_SIZE: Final = 1024
 _BATCH: Final = 256
 # While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
 _RETRY_INTERVAL: Final = 1.0
+# A Redis that fails again within this of answering (it flaps: restarted in a loop, paused, refusing writes
+# between answers) is asked twice as late each time, up to this: each switch costs a warning line, the
+# fleet's claims and a round of writes, so a long flap must not cost them every second.
+_RETRY_MAX: Final = 60.0
 
 # The claim at admission. KEYS[1] the session's entry. ARGV: wire hash, TTL in ms, wall-clock admission, the
 # request's claim token (the replica and its monotonic admission: unique in the fleet). Returns 1 if this call
@@ -245,6 +251,15 @@ end
 return 1
 """
 
+# Whether Redis takes the book's writes, not only answers: a replica (-READONLY), a full one under noeviction
+# (-OOM), one that cannot persist (-MISCONF) or a user without the rights (-NOPERM) answer PING but refuse
+# every claim. KEYS[1] a key of the book's own; nothing is left behind.
+_PROBE: Final = """
+redis.call('SET', KEYS[1], '1')
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
 # KEYS[1] a lease set: the members not expired by the server's clock.
 _LIVE: Final = """
 local t = redis.call('TIME')
@@ -316,7 +331,7 @@ _State = Literal["idle", "starting", "up", "down"]
 class _Conn:
     """The client and its scripts, for as long as ``run`` runs."""
 
-    __slots__ = ("client", "claim", "reclaim", "record", "unclaim", "renew", "live")
+    __slots__ = ("client", "claim", "reclaim", "record", "unclaim", "renew", "probe", "live")
 
     def __init__(self, client: Redis) -> None:
         self.client = client
@@ -325,6 +340,7 @@ class _Conn:
         self.record: AsyncScript = client.register_script(_RECORD)
         self.unclaim: AsyncScript = client.register_script(_UNCLAIM)
         self.renew: AsyncScript = client.register_script(_RENEW)
+        self.probe: AsyncScript = client.register_script(_PROBE)
         self.live: AsyncScript = client.register_script(_LIVE)
 
 
@@ -407,6 +423,8 @@ class RedisSessionBook(SessionBook):
         "_conn",
         "_state",
         "_idle_warned",
+        "_retry",
+        "_up_since",
         "_ran_here",
         "fallbacks",
         "local_records",
@@ -449,6 +467,8 @@ class RedisSessionBook(SessionBook):
         self._conn: _Conn | None = None
         self._state: _State = "idle"
         self._idle_warned = False
+        self._retry = min(self._interval, _RETRY_INTERVAL)  # the wait between two asks while Redis is down
+        self._up_since = -math.inf  # monotonic time Redis last answered after not answering (or at the start)
         # Changes claimed by this process's requests that on_change ran for here while Redis was unusable:
         # told to Redis when it answers again (as claims asked again, ``_Reclaim.ran``). Bounded: past it,
         # the oldest is forgotten (a re-send of its body elsewhere runs on_change once more).
@@ -800,7 +820,7 @@ class RedisSessionBook(SessionBook):
                 except Exception as exc:
                     self._fall_back(_why(exc, self._timeout))
             else:
-                await anyio.sleep(min(self._interval, _RETRY_INTERVAL))
+                await anyio.sleep(self._retry)
                 await self._check(conn)
 
     async def _renew(self, conn: _Conn) -> None:
@@ -817,10 +837,10 @@ class RedisSessionBook(SessionBook):
         await conn.renew(keys=keys, args=args)
 
     async def _check(self, conn: _Conn) -> None:
-        """Ping (bounded); up on an answer, with this process's leases written again, else down."""
+        """Write (bounded, ``_PROBE``); up if Redis takes it, with this process's leases written again, else down."""
         try:
             with anyio.fail_after(self._timeout):
-                await conn.client.ping()
+                _flag(await conn.probe(keys=[f"{KEY_PREFIX}:probe"]))
                 await self._renew(conn)  # Redis may be a new, empty one: its leases come back first
         except Exception as exc:
             self._fall_back(_why(exc, self._timeout))
@@ -830,6 +850,7 @@ class RedisSessionBook(SessionBook):
         else:
             logger.info("sessions are kept in %s", self._shown)
         self._state = "up"
+        self._up_since = time.monotonic()
         await self._tell_ran(conn)  # and those of an earlier run
 
     def _fall_back(self, why: str) -> None:
@@ -837,6 +858,9 @@ class RedisSessionBook(SessionBook):
             return
         self._state = "down"
         self.fallbacks += 1
+        base = min(self._interval, _RETRY_INTERVAL)
+        flapping = time.monotonic() - self._up_since < _RETRY_MAX
+        self._retry = min(self._retry * 2, _RETRY_MAX) if flapping else base
         logger.warning(
             "session store %s unusable (%s): sessions are kept in this process only until it answers",
             self._shown,
