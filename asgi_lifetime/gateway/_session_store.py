@@ -118,6 +118,8 @@ _QUEUE_SIZE: Final = 1024
 # Operations written in one round trip (a pipeline), at most. One round trip per operation let the queue
 # fall seconds behind under load, and a record that late arrives after its session's next one.
 _BATCH: Final = 256
+# Connections to Redis per process, at most; a call past them waits for one (see _connect).
+_CONNECTIONS: Final = 100
 # While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
 _RETRY_INTERVAL: Final = 1.0
 # A Redis that fails again within this of answering (it flaps: restarted in a loop, paused, refusing writes
@@ -945,7 +947,7 @@ def _decision(op: _Op, answer: Any) -> tuple[bool, str | None] | None:
 
 
 def _connect(url: str, timeout: float) -> Redis:
-    from redis.asyncio import Redis
+    from redis.asyncio import BlockingConnectionPool, Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
@@ -962,8 +964,13 @@ def _connect(url: str, timeout: float) -> Redis:
         options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
     # Each call is bounded by ``timeout`` here (anyio.fail_after); redis-py's own retries would only
     # wait longer under that bound. Its socket timeouts are a backstop, later than the bound.
-    client: Redis = Redis.from_url(
+    # A blocking pool: past its connections a call waits for one (within the same bound). redis-py's
+    # default pool raises at once instead, so a burst of admissions on a healthy Redis made the book fall
+    # back as if Redis were unusable.
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=_CONNECTIONS,
+        timeout=timeout,
         socket_timeout=2 * timeout,
         socket_connect_timeout=2 * timeout,
         retry=Retry(NoBackoff(), 0),
@@ -973,6 +980,7 @@ def _connect(url: str, timeout: float) -> Redis:
         protocol=2,
         **options,
     )
+    client: Redis = Redis.from_pool(pool)  # closes the pool with the client
     return client
 
 

@@ -25,7 +25,7 @@ import anyio.abc
 import pytest
 from redis.asyncio import Redis
 
-from asgi_lifetime.gateway import RedisSessionBook
+from asgi_lifetime.gateway import RedisSessionBook, _session_store
 from asgi_lifetime.gateway._bookkeeping import Claim
 
 from .._servers import RedisServer, redis_server
@@ -313,3 +313,28 @@ async def test_stopping_while_redis_is_paused_takes_at_most_a_few_bounds(server:
     for release in releases:
         release()
     assert subject.pinned == 0 and not subject._leases
+
+
+# --- a burst of admissions on a healthy Redis ------------------------------------------------------------------
+
+
+@ASYNCIO
+async def test_a_burst_of_admissions_waits_for_a_connection_rather_than_falling_back(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """More claims at once than the client's pool has connections: redis-py's default pool raised
+    ``MaxConnectionsError`` at once, and the book fell back (one warning, the metric at 0) as if Redis were down."""
+    subject = book(server.url, Changes().of("a"), lease=3.0, timeout=1.0)
+    claims: list[Claim | None] = []
+
+    async def admit(n: int) -> None:
+        claims.append((await turn(subject, f"s{n}", "a"))[0])
+
+    async with started(subject), Redis.from_url(server.url) as client:
+        async with anyio.create_task_group() as tg:
+            for n in range(1000):
+                tg.start_soon(admit, n)
+        assert subject.up and subject.fallbacks == 0 and transitions(caplog) == []
+        assert claims.count("claimed") == 1000
+        clients = await client.info("clients")
+        assert clients["connected_clients"] <= _session_store._CONNECTIONS + 1  # and this one
