@@ -118,6 +118,9 @@ _QUEUE_SIZE: Final = 1024
 # Operations written in one round trip (a pipeline), at most. One round trip per operation let the queue
 # fall seconds behind under load, and a record that late arrives after its session's next one.
 _BATCH: Final = 256
+# Bytes one answer from Redis may take, at most: the book's answers are a few scalars (a hash of ten fields at
+# most). Past it the answer is not one (see _connect).
+_ANSWER_MAX: Final = 64 * 1024
 # Connections to Redis per process, at most; a call past them waits for one (see _connect).
 _CONNECTIONS: Final = 100
 # While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
@@ -947,11 +950,43 @@ def _decision(op: _Op, answer: Any) -> tuple[bool, str | None] | None:
 
 
 def _connect(url: str, timeout: float) -> Redis:
+    from redis._parsers import _AsyncRESP2Parser
     from redis.asyncio import BlockingConnectionPool, Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
+    from redis.exceptions import InvalidResponse
 
-    options: dict[str, Any] = {}
+    class ShortAnswers(_AsyncRESP2Parser):
+        """redis-py's RESP2 parser, refusing an answer past ``_ANSWER_MAX`` bytes. Alone, it read whatever a
+        header announced from a peer on the port that is not Redis: ``$1000000000`` then bytes were buffered
+        for the whole bound (121 MB in 0.2 s on loopback, per connection); ``*1000000000`` then integers were
+        parsed from the buffer without an await, holding the event loop past the bound."""
+
+        __slots__ = ("_taken",)
+
+        def __init__(self, socket_read_size: int) -> None:
+            super().__init__(socket_read_size)
+            self._taken = 0
+
+        async def read_response(self, disable_decoding: bool = False) -> Any:
+            self._taken = 0
+            return await super().read_response(disable_decoding)
+
+        async def _read(self, length: int) -> bytes:
+            self._take(length)
+            return await super()._read(length)
+
+        async def _readline(self) -> bytes:  # redis-py's stream bounds one line (64 KiB)
+            line = await super()._readline()
+            self._take(len(line))
+            return line
+
+        def _take(self, size: int) -> None:
+            self._taken += size + 2
+            if self._taken > _ANSWER_MAX:
+                raise InvalidResponse(f"an answer over {_ANSWER_MAX} bytes: not the session store's")
+
+    options: dict[str, Any] = {"parser_class": ShortAnswers}
     try:
         from redis.maint_notifications import MaintNotificationsConfig
     except ImportError:  # redis-py before 7: no maintenance notifications, and the pool checks every connection

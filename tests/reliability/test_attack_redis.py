@@ -17,6 +17,7 @@ import os
 import signal
 import ssl
 import time
+import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -263,6 +264,34 @@ async def test_a_wrong_peer_costs_one_bound_and_no_secret(
         assert len(changes.calls) == 20 and subject.fallbacks == 1
         assert len(transitions(caplog)) == 1
         assert SECRET not in subject.url and lines_with_secret(caplog) == []
+
+
+HUGE: dict[str, bytes] = {
+    "a bulk string of 1 GB": b"$1000000000\r\n",
+    "an array of a billion": b"*1000000000\r\n",
+}
+
+
+@ASYNCIO
+@pytest.mark.parametrize("header", HUGE.values(), ids=HUGE.keys())
+async def test_a_huge_answer_costs_one_bound_and_little_memory(header: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """A header announcing a huge answer, then bytes as fast as loopback carries them (integers, for the
+    array): redis-py's parser buffered them for the whole bound (136 MB in 0.2 s), per connection."""
+    body = b":1\r\n" * 16384 if header.startswith(b"*") else b"x" * 65536
+    async with peer(header, stream=body) as url:
+        subject = sick_book(url, Changes())
+        begun = time.monotonic()
+        tracemalloc.start()
+        try:
+            async with started(subject):
+                peak = tracemalloc.get_traced_memory()[1]
+                assert time.monotonic() - begun <= BOUND + SLACK and not subject.up
+                claim, waited = await turn(subject, "s", "a")
+                assert claim == "local" and waited < 0.05
+        finally:
+            tracemalloc.stop()
+    assert peak < 8 * 2**20, peak
+    assert len(transitions(caplog)) == 1 and lines_with_secret(caplog) == []
 
 
 @ASYNCIO
