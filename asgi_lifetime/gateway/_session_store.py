@@ -53,9 +53,10 @@ sessions in Redis, and keeps the in-memory book underneath as it always was:
   switches the book to its in-memory half: admissions do not ask Redis (``"local"``) and records are
   decided there (``on_change`` by this process alone), one warning line says so and
   ``asgi_lifetime_session_store_up`` drops to 0 (``..._fallbacks_total`` counts the switches).
-  The task pings meanwhile; when Redis answers again, one line says so, this process's leases
-  are written again and admissions and records go back to Redis. A full queue (Redis slower
-  than the traffic) settles that one operation locally.
+  The task asks meanwhile with a write (``_PROBE``: a Redis that answers but refuses writes is
+  not back), less often while Redis flaps (``_RETRY_MAX``); when Redis takes it, one line says so,
+  this process's leases are written again and admissions and records go back to Redis. A full
+  queue (Redis slower than the traffic) settles that one operation locally.
 
 redis-py's asyncio client runs on asyncio only. On another event loop (trio) the book says so
 in one warning line and stays on its in-memory half.
@@ -82,6 +83,7 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -116,8 +118,17 @@ _QUEUE_SIZE: Final = 1024
 # Operations written in one round trip (a pipeline), at most. One round trip per operation let the queue
 # fall seconds behind under load, and a record that late arrives after its session's next one.
 _BATCH: Final = 256
+# Bytes one answer from Redis may take, at most: the book's answers are a few scalars (a hash of ten fields at
+# most). Past it the answer is not one (see _connect).
+_ANSWER_MAX: Final = 64 * 1024
+# Connections to Redis per process, at most; a call past them waits for one (see _connect).
+_CONNECTIONS: Final = 100
 # While Redis is down, how often the task asks whether it is back (at most; a third of the lease if shorter).
 _RETRY_INTERVAL: Final = 1.0
+# A Redis that fails again within this of answering (it flaps: restarted in a loop, paused, refusing writes
+# between answers) is asked twice as late each time, up to this: each switch costs a warning line, the
+# fleet's claims and a round of writes, so a long flap must not cost them every second.
+_RETRY_MAX: Final = 60.0
 
 # The claim at admission. KEYS[1] the session's entry. ARGV: wire hash, TTL in ms, wall-clock admission, the
 # request's claim token (the replica and its monotonic admission: unique in the fleet). Returns 1 if this call
@@ -245,6 +256,15 @@ end
 return 1
 """
 
+# Whether Redis takes the book's writes, not only answers: a replica (-READONLY), a full one under noeviction
+# (-OOM), one that cannot persist (-MISCONF) or a user without the rights (-NOPERM) answer PING but refuse
+# every claim. KEYS[1] a key of the book's own; nothing is left behind.
+_PROBE: Final = """
+redis.call('SET', KEYS[1], '1')
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
 # KEYS[1] a lease set: the members not expired by the server's clock.
 _LIVE: Final = """
 local t = redis.call('TIME')
@@ -316,7 +336,7 @@ _State = Literal["idle", "starting", "up", "down"]
 class _Conn:
     """The client and its scripts, for as long as ``run`` runs."""
 
-    __slots__ = ("client", "claim", "reclaim", "record", "unclaim", "renew", "live")
+    __slots__ = ("client", "claim", "reclaim", "record", "unclaim", "renew", "probe", "live")
 
     def __init__(self, client: Redis) -> None:
         self.client = client
@@ -325,6 +345,7 @@ class _Conn:
         self.record: AsyncScript = client.register_script(_RECORD)
         self.unclaim: AsyncScript = client.register_script(_UNCLAIM)
         self.renew: AsyncScript = client.register_script(_RENEW)
+        self.probe: AsyncScript = client.register_script(_PROBE)
         self.live: AsyncScript = client.register_script(_LIVE)
 
 
@@ -407,6 +428,8 @@ class RedisSessionBook(SessionBook):
         "_conn",
         "_state",
         "_idle_warned",
+        "_retry",
+        "_up_since",
         "_ran_here",
         "fallbacks",
         "local_records",
@@ -449,6 +472,8 @@ class RedisSessionBook(SessionBook):
         self._conn: _Conn | None = None
         self._state: _State = "idle"
         self._idle_warned = False
+        self._retry = min(self._interval, _RETRY_INTERVAL)  # the wait between two asks while Redis is down
+        self._up_since = -math.inf  # monotonic time Redis last answered after not answering (or at the start)
         # Changes claimed by this process's requests that on_change ran for here while Redis was unusable:
         # told to Redis when it answers again (as claims asked again, ``_Reclaim.ran``). Bounded: past it,
         # the oldest is forgotten (a re-send of its body elsewhere runs on_change once more).
@@ -800,7 +825,7 @@ class RedisSessionBook(SessionBook):
                 except Exception as exc:
                     self._fall_back(_why(exc, self._timeout))
             else:
-                await anyio.sleep(min(self._interval, _RETRY_INTERVAL))
+                await anyio.sleep(self._retry)
                 await self._check(conn)
 
     async def _renew(self, conn: _Conn) -> None:
@@ -817,10 +842,10 @@ class RedisSessionBook(SessionBook):
         await conn.renew(keys=keys, args=args)
 
     async def _check(self, conn: _Conn) -> None:
-        """Ping (bounded); up on an answer, with this process's leases written again, else down."""
+        """Write (bounded, ``_PROBE``); up if Redis takes it, with this process's leases written again, else down."""
         try:
             with anyio.fail_after(self._timeout):
-                await conn.client.ping()
+                _flag(await conn.probe(keys=[f"{KEY_PREFIX}:probe"]))
                 await self._renew(conn)  # Redis may be a new, empty one: its leases come back first
         except Exception as exc:
             self._fall_back(_why(exc, self._timeout))
@@ -830,6 +855,7 @@ class RedisSessionBook(SessionBook):
         else:
             logger.info("sessions are kept in %s", self._shown)
         self._state = "up"
+        self._up_since = time.monotonic()
         await self._tell_ran(conn)  # and those of an earlier run
 
     def _fall_back(self, why: str) -> None:
@@ -837,6 +863,9 @@ class RedisSessionBook(SessionBook):
             return
         self._state = "down"
         self.fallbacks += 1
+        base = min(self._interval, _RETRY_INTERVAL)
+        flapping = time.monotonic() - self._up_since < _RETRY_MAX
+        self._retry = min(self._retry * 2, _RETRY_MAX) if flapping else base
         logger.warning(
             "session store %s unusable (%s): sessions are kept in this process only until it answers",
             self._shown,
@@ -921,11 +950,43 @@ def _decision(op: _Op, answer: Any) -> tuple[bool, str | None] | None:
 
 
 def _connect(url: str, timeout: float) -> Redis:
-    from redis.asyncio import Redis
+    from redis._parsers import _AsyncRESP2Parser
+    from redis.asyncio import BlockingConnectionPool, Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
+    from redis.exceptions import InvalidResponse
 
-    options: dict[str, Any] = {}
+    class ShortAnswers(_AsyncRESP2Parser):
+        """redis-py's RESP2 parser, refusing an answer past ``_ANSWER_MAX`` bytes. Alone, it read whatever a
+        header announced from a peer on the port that is not Redis: ``$1000000000`` then bytes were buffered
+        for the whole bound (121 MB in 0.2 s on loopback, per connection); ``*1000000000`` then integers were
+        parsed from the buffer without an await, holding the event loop past the bound."""
+
+        __slots__ = ("_taken",)
+
+        def __init__(self, socket_read_size: int) -> None:
+            super().__init__(socket_read_size)
+            self._taken = 0
+
+        async def read_response(self, disable_decoding: bool = False) -> Any:
+            self._taken = 0
+            return await super().read_response(disable_decoding)
+
+        async def _read(self, length: int) -> bytes:
+            self._take(length)
+            return await super()._read(length)
+
+        async def _readline(self) -> bytes:  # redis-py's stream bounds one line (64 KiB)
+            line = await super()._readline()
+            self._take(len(line))
+            return line
+
+        def _take(self, size: int) -> None:
+            self._taken += size + 2
+            if self._taken > _ANSWER_MAX:
+                raise InvalidResponse(f"an answer over {_ANSWER_MAX} bytes: not the session store's")
+
+    options: dict[str, Any] = {"parser_class": ShortAnswers}
     try:
         from redis.maint_notifications import MaintNotificationsConfig
     except ImportError:  # redis-py before 7: no maintenance notifications, and the pool checks every connection
@@ -938,8 +999,13 @@ def _connect(url: str, timeout: float) -> Redis:
         options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
     # Each call is bounded by ``timeout`` here (anyio.fail_after); redis-py's own retries would only
     # wait longer under that bound. Its socket timeouts are a backstop, later than the bound.
-    client: Redis = Redis.from_url(
+    # A blocking pool: past its connections a call waits for one (within the same bound). redis-py's
+    # default pool raises at once instead, so a burst of admissions on a healthy Redis made the book fall
+    # back as if Redis were unusable.
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=_CONNECTIONS,
+        timeout=timeout,
         socket_timeout=2 * timeout,
         socket_connect_timeout=2 * timeout,
         retry=Retry(NoBackoff(), 0),
@@ -949,6 +1015,7 @@ def _connect(url: str, timeout: float) -> Redis:
         protocol=2,
         **options,
     )
+    client: Redis = Redis.from_pool(pool)  # closes the pool with the client
     return client
 
 
