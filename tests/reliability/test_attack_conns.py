@@ -14,6 +14,10 @@ protocols ``serve`` picks, ``H11_PROTOCOL`` and ``HTTPTOOLS_PROTOCOL``), over re
   closes the connection on the FIN unless it has paused reading, as nginx takes a FIN for an abort by default
   (``proxy_ignore_client_abort off``): a FIN cannot be told from a full close, and a gone client must free its
   upstream. Nothing stays held either way.
+- File descriptors: the gateway alone in a process with ``RLIMIT_NOFILE`` 128, 400 silent connections that
+  never close: a client trying again is served once the rule has closed them (before: never).
+- Known limit, pinned: a client with a key that trickles its body holds its admission slot until the body
+  ends (up to ``BODY_TIMEOUT``); with ``MAX_INFLIGHT=1`` the next client gets admission's 503.
 - A client that never reads a long streamed answer, under each upstream transport: the gateway's memory does
   not grow with the answer, and the upstream is pushed back, then freed when the client leaves.
 """
@@ -21,8 +25,11 @@ protocols ``serve`` picks, ``H11_PROTOCOL`` and ``HTTPTOOLS_PROTOCOL``), over re
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -36,13 +43,26 @@ from asgi_lifetime.gateway import create_app
 from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime.testing._upstream import create_demo_upstream
 
-from .test_faults import CHAT, FAST, STREAM, Firehose, Stack, assert_idle, eventually, raw_client, request_bytes, rss
+from .test_faults import (
+    CHAT,
+    FAST,
+    STREAM,
+    Firehose,
+    RawResponse,
+    Stack,
+    assert_idle,
+    eventually,
+    raw_client,
+    request_bytes,
+    rss,
+)
 
 pytestmark = pytest.mark.anyio
 
 IDLE = 1.0  # --timeout-keep-alive in these tests
 # How long a closed-by-the-rule connection may take to see its EOF beyond IDLE (loaded CI machines).
 MARGIN = 4.0
+ROOT = Path(__file__).resolve().parents[2]  # the worktree's package, not an installed one, in the subprocess
 PROTOCOLS = {"serve-h11": H11_PROTOCOL, "serve-httptools": HTTPTOOLS_PROTOCOL}
 
 
@@ -241,3 +261,64 @@ async def test_a_slow_uploader_holds_its_admission_slot_until_its_body_ends() ->
                 await slow.send(body[1:])
                 assert (await slow.response()).status == 200
             await assert_idle(app, url)
+
+
+# --- file descriptors ------------------------------------------------------------------------------
+
+GATEWAY_WITH_FEW_FDS = """
+import resource, sys
+from asgi_lifetime._cli._main import HTTPTOOLS_PROTOCOL
+from asgi_lifetime._settings import LifetimeSettings
+from asgi_lifetime.gateway import create_app
+from asgi_lifetime.testing._serve import serve_in_thread
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+app = create_app(LifetimeSettings(upstream_url=(sys.argv[1],)))
+with serve_in_thread(app, http=HTTPTOOLS_PROTOCOL, timeout_keep_alive=1) as url:
+    print(url, flush=True)
+    sys.stdin.read()
+"""
+
+
+async def request_once(url: str) -> RawResponse:
+    try:
+        async with raw_client(url) as client:
+            await client.send(CHAT_REQUEST)
+            return await client.response(seconds=15)
+    except OSError:  # refused or reset before the request was out
+        return RawResponse(0, {}, b"", False)
+
+
+async def test_silent_connections_past_the_fd_limit_free_the_process_by_themselves(anyio_backend: str) -> None:
+    """The gateway alone in a process with 128 file descriptors; 400 connections that never send a byte, and
+    never close. A real client behind them is served once the idle rule has closed them: before, never."""
+    if anyio_backend != "asyncio":
+        pytest.skip("the gateway runs in its own process: one backend is enough")
+    demo = create_demo_upstream(tokens_per_second=1000, default_tokens=2)
+    with serve_in_thread(demo) as upstream_url:
+        process = await anyio.open_process(
+            [sys.executable, "-c", GATEWAY_WITH_FEW_FDS, upstream_url, "128"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+        )
+        async with process:
+            try:
+                assert process.stdout is not None
+                with anyio.fail_after(20):
+                    url = (await process.stdout.receive()).decode().strip()
+                port = int(url.rsplit(":", 1)[1])
+                silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(400)]
+                try:
+                    # While the descriptors are gone, a new connection is accepted and closed at once (uvloop,
+                    # libuv's EMFILE trick) or left in the backlog (asyncio): the client tries again, as one would.
+                    for _ in range(75):  # 15 s at a client's pace of 5 tries a second
+                        response = await request_once(url)
+                        if response.status:
+                            break
+                        await anyio.sleep(0.2)
+                    assert response.status == 200 and response.complete
+                finally:
+                    for sock in silent:
+                        sock.close()
+            finally:
+                process.terminate()
