@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -322,3 +323,43 @@ async def test_silent_connections_past_the_fd_limit_free_the_process_by_themselv
                         sock.close()
             finally:
                 process.terminate()
+
+
+# --- resets ----------------------------------------------------------------------------------------
+
+
+def reset(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends an RST
+    sock.close()
+
+
+STREAM_REQUEST = request_bytes(json.dumps({**STREAM, "max_tokens": 40}).encode())  # 2 s of answer
+
+
+@pytest.mark.parametrize(
+    ("sent", "before_reset"),
+    [
+        (CHAT_REQUEST[:30], b""),  # mid-head
+        (CHAT_REQUEST[:-5], b""),  # mid-body
+        (STREAM_REQUEST, b"data:"),  # mid-answer, once the first event is in
+    ],
+    ids=["mid-head", "mid-body", "mid-answer"],
+)
+async def test_a_reset_leaves_nothing_held_and_the_next_client_is_served(
+    stack: Stack, sent: bytes, before_reset: bytes
+) -> None:
+    sock = socket.create_connection(("127.0.0.1", stack.port))
+    try:
+        sock.sendall(sent)
+        received = b""
+        sock.settimeout(5)
+        while before_reset not in received:
+            received += await anyio.to_thread.run_sync(sock.recv, 65536)
+        if not before_reset:  # the gateway has the bytes: wait until it holds the request (or the head is partial)
+            await eventually(lambda: b"\r\n\r\n" not in sent or stack.stats()["inflight_requests"] == 1)
+    finally:
+        reset(sock)
+    await assert_idle(stack.app, stack.url, upstream=stack.upstream)
+    async with raw_client(stack.url) as client:
+        await client.send(CHAT_REQUEST)
+        assert (await client.response()).status == 200
