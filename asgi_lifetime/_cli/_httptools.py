@@ -4,7 +4,8 @@ llhttp reports the trailer fields after a chunked body through the same callback
 fields, and uvicorn's ``HttpToolsProtocol`` appends them to the request's ``scope["headers"]``,
 often before the app has looked at it (the whole request came in one read). The gateway would
 then forward fields it never judged (a second ``Authorization``, another session id, a second
-``Content-Type``). h11 drops trailer fields; so does this protocol. Imported by uvicorn only
+``Content-Type``). h11 drops trailer fields; so does this protocol. It also keeps the idle rule of
+``_idle.HeadDeadline``. Imported by uvicorn only
 (``uvicorn.Config(http="asgi_lifetime._cli._httptools:HttpToolsProtocol")``).
 """
 
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _UvicornHttpToolsProtocol
 
+from ._idle import HeadDeadline
+
 __all__ = ["HttpToolsProtocol"]
 
 
-class HttpToolsProtocol(_UvicornHttpToolsProtocol):
-    """``HttpToolsProtocol`` that ignores the fields after the header block (chunked trailers)."""
+class HttpToolsProtocol(HeadDeadline, _UvicornHttpToolsProtocol):
+    """``HttpToolsProtocol`` that ignores the fields after the header block (chunked trailers) and closes a
+    connection whose next request head is not complete in time."""
 
     _in_trailers = False
 
@@ -30,4 +34,5 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_trailers = True
+        self.head_complete()
         super().on_headers_complete()

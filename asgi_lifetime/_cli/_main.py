@@ -90,6 +90,9 @@ DEFAULT = "default"
 SHUTDOWN_BACKSTOP = 5.0
 # uvicorn's httptools protocol without trailer fields (_httptools.py): what ``--http httptools`` runs.
 HTTPTOOLS_PROTOCOL = "asgi_lifetime._cli._httptools:HttpToolsProtocol"
+# uvicorn's h11 protocol: what ``--http h11`` runs. Both close a connection that has not completed its next
+# request head within --timeout-keep-alive (_idle.py).
+H11_PROTOCOL = "asgi_lifetime._cli._h11:H11Protocol"
 HTTP_CHOICES = ("auto", "httptools", "h11")
 LOOP_CHOICES = ("auto", "uvloop", "asyncio")
 
@@ -492,11 +495,12 @@ def _installed(module: str) -> bool:
 
 def http_protocol(choice: str) -> str:
     """uvicorn's ``http`` for ``--http``: ``auto`` is httptools when installed (the ``cli`` extra brings it),
-    else h11. httptools runs as ``HTTPTOOLS_PROTOCOL``, which drops trailer fields as h11 does."""
+    else h11. httptools runs as ``HTTPTOOLS_PROTOCOL``, which drops trailer fields as h11 does; h11 as
+    ``H11_PROTOCOL``. Both give a connection ``--timeout-keep-alive`` seconds to complete each request head."""
     if choice == "auto":
         choice = "httptools" if _installed("httptools") else "h11"
     if choice == "h11":
-        return "h11"
+        return H11_PROTOCOL
     if not _installed("httptools"):
         raise CommandError("--http httptools: httptools is not installed; pip install 'asgi-lifetime[cli]'")
     return HTTPTOOLS_PROTOCOL

@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from asgi_lifetime import GiB, KiB, LifetimeSettings, MiB, __version__
 from asgi_lifetime._cli._main import (
+    H11_PROTOCOL,
     HTTPTOOLS_PROTOCOL,
     CommandError,
     build_parser,
@@ -612,7 +612,7 @@ def test_serve_runs_httptools_and_uvloop_when_installed() -> None:
 
 def test_serve_can_be_switched_to_h11_and_asyncio() -> None:
     config = _serve_config("--http", "h11", "--loop", "asyncio")
-    assert config.http == "h11" and import_from_string(HTTP_PROTOCOLS["h11"]) is H11Protocol
+    assert config.http == H11_PROTOCOL and issubclass(import_from_string(config.http), H11Protocol)
     factory = config.get_loop_factory()
     assert factory is not None
     loop = factory()
@@ -631,4 +631,4 @@ def test_serve_says_what_to_install_for_a_missing_server_module(
     with pytest.raises(CommandError, match=rf"{module} is not installed; pip install 'asgi-lifetime\[cli\]'"):
         _serve_config(flag)
     # auto falls back to what is there
-    assert _serve_config().http in ("h11", HTTPTOOLS_PROTOCOL)
+    assert _serve_config().http in (H11_PROTOCOL, HTTPTOOLS_PROTOCOL)
