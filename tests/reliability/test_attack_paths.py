@@ -373,3 +373,14 @@ def test_an_upstream_behind_nginx_gets_no_path_outside_the_prefix(tmp_path: Path
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     [request] = upstream.requests
     assert unquote(request.target) == read
+
+
+# -- a careless operator's PATHS -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix", ["/v1/{model}", "/v1/{path:path}", "/v1/../admin", "/v1/./x", "/v1/.."])
+def test_a_prefix_the_router_and_the_middleware_would_read_differently_is_refused(prefix: str) -> None:
+    # "/v1/{model}": the router forwarded /v1/abc/x, which the middleware, reading text, had not admitted
+    # (a 500, KeyError 'state'); a dot segment: nothing under it is ever forwarded (400 invalid_path).
+    with pytest.raises(ValueError, match="ASGI_LIFETIME_PATHS"):
+        LifetimeSettings(paths=("/v1/", prefix))
