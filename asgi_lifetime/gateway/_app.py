@@ -57,6 +57,7 @@ __all__ = ["create_app"]
 logger = logging.getLogger("asgi_lifetime.gateway")  # the public module's name, as before the layout moved
 
 _FORWARDED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+_ROUTED_METHODS = frozenset({*_FORWARDED_METHODS, "HEAD"})  # Starlette routes HEAD where it routes GET
 _DRAIN_POLL = 0.05
 # The gateway's own GET endpoints, routed before the forwarded prefixes.
 _HEALTHZ, _STATS, _METRICS = "/healthz", "/lifetime/stats", "/metrics"
@@ -64,12 +65,15 @@ _OWN_PATHS = frozenset({_HEALTHZ, _STATS, _METRICS})
 
 
 class _GatewayLifetime(Lifetime):
-    """The gateway's ``Lifetime``: it handles what PATHS covers but the gateway's own GET endpoints, which
-    its router takes first (with PATHS=/, a health check was admitted: queued, or refused 503, under load)."""
+    """The gateway's ``Lifetime``: it handles what the router forwards, a forwarded method on a path PATHS
+    covers, but the gateway's own GET endpoints, routed first. Else the request was admitted and its body
+    read, then answered 405 (OPTIONS), or a health check queued, or refused 503, under load (PATHS=/)."""
 
     def handles(self, scope: Scope) -> bool:
-        own = scope.get("method") in ("GET", "HEAD") and route_path(scope) in _OWN_PATHS
-        return not own and super().handles(scope)
+        method = scope.get("method")
+        if method not in _ROUTED_METHODS or (method in ("GET", "HEAD") and route_path(scope) in _OWN_PATHS):
+            return False
+        return super().handles(scope)
 
 
 def _forwarded_routes(paths: Sequence[str], forwarder: Forwarder) -> list[Route]:
