@@ -214,6 +214,18 @@ async def test_with_paths_slash_the_gateways_own_endpoints_are_not_admitted() ->
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("method", ["OPTIONS", "TRACE", "PROPFIND"])
+async def test_a_method_the_router_does_not_forward_is_not_admitted(method: str) -> None:
+    gateway = create_app(settings(paths=("/v1",)))
+    try:
+        response, sent = await exchange(gateway, method, "/v1/chat/completions", content=b"{}")
+    finally:
+        await gateway.state.upstream.aclose()
+    assert response.status_code == 405 and sent == []
+    assert gateway.state.lifetime.stats().admitted == 0  # was 1: admitted and its body read, then the 405
+
+
+@pytest.mark.anyio
 async def test_the_mount_itself_is_not_admitted_before_starlettes_redirect() -> None:
     # hypercorn's root_path leaves the path as the client sent it: "/api" is the mount itself, route path "".
     gateway = create_app(settings(paths=("/",)))
