@@ -121,13 +121,21 @@ def _post(port: int, target: str) -> bytes:
     return data
 
 
-@pytest.mark.parametrize("server", SERVERS)
+# Each server with the httpcore transport; the aiohttp transport (asyncio only) under two of them.
+SERVED = [(server, "httpcore") for server in SERVERS] + [("uvicorn-h11", "aiohttp"), ("hypercorn-asyncio", "aiohttp")]
+
+
+@pytest.mark.parametrize(("server", "transport"), SERVED)
 def test_a_request_is_admitted_exactly_when_forwarded_and_the_upstream_reads_a_path_under_the_prefix(
-    server: str,
+    server: str, transport: str
 ) -> None:
     ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
     with raw_upstream(lambda request: [ok]) as upstream:
-        app = create_app(LifetimeSettings(upstream_url=(upstream.url + "/base",), paths=("/v1",), max_attempts=1))
+        app = create_app(
+            LifetimeSettings(
+                upstream_url=(upstream.url + "/base",), paths=("/v1",), max_attempts=1, upstream_transport=transport
+            )
+        )
         with served(app, server) as url:
             port = int(url.rsplit(":", 1)[1])
             for target, expected in CORPUS.items():
