@@ -404,3 +404,47 @@ def test_a_prefix_the_router_and_the_middleware_would_read_differently_is_refuse
     # (a 500, KeyError 'state'); a dot segment: nothing under it is ever forwarded (400 invalid_path).
     with pytest.raises(ValueError, match="ASGI_LIFETIME_PATHS"):
         LifetimeSettings(paths=("/v1/", prefix))
+
+
+@pytest.mark.anyio
+async def test_a_reissued_stream_carries_x_accel_buffering_no_once() -> None:
+    starved = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"data: [DONE]\n\n")
+    second = httpx.Response(
+        200, headers={"content-type": "text/event-stream", "x-accel-buffering": "yes"}, content=EVENTS
+    )
+    gateway = create_app(settings(paths=("/v1",), max_attempts=2))
+    try:
+        with respx.mock(assert_all_called=True) as mock:
+            route = mock.route(url__startswith="http://upstream.test").mock(side_effect=[starved, second])
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw") as client:
+                response = await client.post("/v1/chat/completions", json={"stream": True})
+    finally:
+        await gateway.state.upstream.aclose()
+    assert route.call_count == 2  # the first produced nothing: re-issued into the same answer
+    assert response.status_code == 200 and b'"hi"' in response.content
+    assert response.headers.get_list("x-accel-buffering") == ["no"]
+
+
+def test_through_a_buffering_nginx_a_head_of_an_event_stream_is_answered_once(tmp_path: Path) -> None:
+    # nginx with its defaults (proxy_buffering on) in front of the gateway. A HEAD was a 502 after two
+    # upstream attempts; nginx acts on X-Accel-Buffering and does not pass it on.
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    stream = head + b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(EVENTS), EVENTS)
+
+    def answer(request: Any) -> list[bytes | str | Any]:
+        return [head + b"content-length: 0\r\n\r\n"] if request.method == "HEAD" else [stream]
+
+    with raw_upstream(answer) as upstream:
+        gateway = create_app(LifetimeSettings(upstream_url=(upstream.url,), max_attempts=2))
+        with served(gateway, "uvicorn-h11") as url:
+            port = free_port()
+            site = (
+                f"server {{ listen 127.0.0.1:{port};\n  location / {{ proxy_pass {url}; proxy_http_version 1.1; }} }}\n"
+            )
+            with nginx_server(tmp_path / "nginx", site, port=port) as nginx, httpx.Client(timeout=10) as client:
+                heads = client.head(nginx.base + "/v1/responses/resp_1")
+                gets = client.get(nginx.base + "/v1/responses/resp_1")
+    assert heads.status_code == 200 and heads.headers["content-type"] == "text/event-stream"
+    assert gets.status_code == 200 and b'"hi"' in gets.content
+    assert "x-accel-buffering" not in heads.headers and "x-accel-buffering" not in gets.headers
+    assert [r.method for r in upstream.requests] == ["HEAD", "GET"]
