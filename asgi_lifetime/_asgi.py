@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Final
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import anyio
 import anyio.abc
@@ -137,9 +137,14 @@ def is_json(headers: Headers) -> bool:
 
 def under(path: str, prefix: str) -> bool:
     """Whether ``path`` is ``prefix`` or below it, segment by segment (as Starlette's ``Mount``):
-    ``/v1`` and ``/v1/`` both cover ``/v1`` and ``/v1/models``, neither covers ``/v1beta/models``."""
+    ``/v1`` and ``/v1/`` both cover ``/v1`` and ``/v1/models``, neither covers ``/v1beta/models``.
+    ``/`` covers every path but ``""``, the mount itself, which Starlette's router redirects to ``/``."""
     base = prefix.rstrip("/")
-    return path == base or path.startswith(base + "/")
+    return path.startswith(base + "/") or (base != "" and path == base)
+
+
+# What a path may hold unencoded (RFC 3986 3.3 pchar and "/"; letters, digits and "-._~" are always kept).
+_PATH_SAFE: Final = "/!$&'()*+,;=:@"
 
 
 def _strip_root(scope: Scope, path: str) -> str:
@@ -154,15 +159,18 @@ def route_path(scope: Scope) -> str:
 
 
 def upstream_path(scope: Scope) -> str:
-    """The path and query to append to an upstream base URL: as the client sent it, minus the mount."""
+    """The path and query to append to an upstream base URL: as the client sent it, minus the mount.
+    Whatever its form, the upstream decodes it to the path the gateway judged (``route_path``)."""
     path: str = scope["path"]
     raw: bytes | None = scope.get("raw_path")
-    if raw is not None:
-        encoded = raw.decode("latin-1")
-        # Keep the client's encoding (a %2F or %3F inside a segment must stay one) when raw_path matches.
-        if unquote(encoded) == path and encoded.startswith(scope.get("root_path", "")):
-            path = encoded
-    path = _strip_root(scope, path)
+    encoded = raw.decode("latin-1") if raw is not None else None
+    # Keep the client's encoding (a %2F or %3F inside a segment must stay one) when raw_path matches.
+    if encoded is not None and unquote(encoded) == path and encoded.startswith(scope.get("root_path", "")):
+        path = _strip_root(scope, encoded)
+    else:
+        # The decoded path, encoded again: sent as it is, its "%", "?" and "#" would be decoded or cut once
+        # more by the upstream (a mount spelled "/%61pi" turned "%252e%252e" into a ".." there).
+        path = quote(_strip_root(scope, path), safe=_PATH_SAFE)
     query: bytes = scope.get("query_string", b"")
     return path + "?" + query.decode("latin-1") if query else path
 

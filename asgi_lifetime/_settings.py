@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 __all__ = [
@@ -154,11 +154,22 @@ def _anything(value: Any) -> str | None:
     return None
 
 
+# What a prefix may not hold: "{" or "}" (the gateway's router reads "/v1/{model}" as a parameter, the
+# middleware as text: what one forwarded the other had not admitted, a 500), or a "." or ".." segment
+# (no path with one is forwarded: the gateway refuses it, invalid_path).
+_NOT_IN_PREFIX: Final = re.compile(r"[{}]|/\.\.?(?:/|$)")
+
+
 def _path_prefixes(value: Any) -> str | None:
     if not value:
         return "must name at least one path prefix"
     bad = [p for p in value if not p.startswith("/")]
-    return f"path prefixes must start with '/' ({bad[0]!r} does not)" if bad else None
+    if bad:
+        return f"path prefixes must start with '/' ({bad[0]!r} does not)"
+    bad = [p for p in value if _NOT_IN_PREFIX.search(p)]
+    if bad:
+        return f"path prefixes are literal paths, without '{{', '}}' or a '.' or '..' segment ({bad[0]!r} is not)"
+    return None
 
 
 def _urls(value: Any) -> str | None:

@@ -31,7 +31,9 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Scope
 
+from .._asgi import route_path
 from .._exceptions import LifetimeError, error_body, error_shape
 from .._fingerprint import Fingerprint
 from .._middleware import Lifetime, LifetimeMiddleware
@@ -55,7 +57,23 @@ __all__ = ["create_app"]
 logger = logging.getLogger("asgi_lifetime.gateway")  # the public module's name, as before the layout moved
 
 _FORWARDED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+_ROUTED_METHODS = frozenset({*_FORWARDED_METHODS, "HEAD"})  # Starlette routes HEAD where it routes GET
 _DRAIN_POLL = 0.05
+# The gateway's own GET endpoints, routed before the forwarded prefixes.
+_HEALTHZ, _STATS, _METRICS = "/healthz", "/lifetime/stats", "/metrics"
+_OWN_PATHS = frozenset({_HEALTHZ, _STATS, _METRICS})
+
+
+class _GatewayLifetime(Lifetime):
+    """The gateway's ``Lifetime``: it handles what the router forwards, a forwarded method on a path PATHS
+    covers, but the gateway's own GET endpoints, routed first. Else the request was admitted and its body
+    read, then answered 405 (OPTIONS), or a health check queued, or refused 503, under load (PATHS=/)."""
+
+    def handles(self, scope: Scope) -> bool:
+        method = scope.get("method")
+        if method not in _ROUTED_METHODS or (method in ("GET", "HEAD") and route_path(scope) in _OWN_PATHS):
+            return False
+        return super().handles(scope)
 
 
 def _forwarded_routes(paths: Sequence[str], forwarder: Forwarder) -> list[Route]:
@@ -94,7 +112,7 @@ def create_app(
     """
     if settings is None:
         settings = LifetimeSettings.from_environ()
-    lifetime = Lifetime(settings)  # first: it checks that settings is a LifetimeSettings
+    lifetime = _GatewayLifetime(settings)  # first: it checks that settings is a LifetimeSettings
     gap = open_beyond_loopback(settings)
     if gap is not None:
         # With a credential of its own and no gateway keys, GatewayAuth serves loopback clients only.
@@ -176,9 +194,9 @@ def create_app(
 
     app = Starlette(
         routes=[
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/lifetime/stats", stats, methods=["GET"]),
-            make_metrics_route(metrics),
+            Route(_HEALTHZ, healthz, methods=["GET"]),
+            Route(_STATS, stats, methods=["GET"]),
+            make_metrics_route(metrics, path=_METRICS),
             *_forwarded_routes(settings.paths, forwarder),
         ],
         middleware=[

@@ -58,6 +58,8 @@ UPSTREAM_AUTH_SCHEMES: dict[str, tuple[bytes, str]] = {
     "api-key": (b"api-key", "{key}"),
 }
 REDACTED = "[redacted]"
+# The methods ``open_paths`` take without a key: the gateway's own endpoints are GET routes (HEAD too).
+_OPEN_METHODS = frozenset({"GET", "HEAD"})
 
 
 class GatewayAuth:
@@ -67,7 +69,8 @@ class GatewayAuth:
     credential (a credential it holds, guarded as the key is; the client's own, if any, still goes
     through when no gateway key had to be presented). ``body_limits``: the settings whose
     ``BODY_IDLE_TIMEOUT`` and ``BODY_TIMEOUT`` bound how long a refused HTTP/2 client may go on
-    sending before its answer ends (``BodyWatch``); the defaults when omitted.
+    sending before its answer ends (``BodyWatch``); the defaults when omitted. ``open_paths``: the
+    paths whose GET (and HEAD) need no key.
 
     ```python
     app = GatewayAuth(app, gateway_keys=("k1", "k2"), upstream_api_key="sk-...", open_paths=("/healthz",))
@@ -99,8 +102,13 @@ class GatewayAuth:
         # BODY_IDLE_TIMEOUT, BODY_TIMEOUT: how long a refused client may go on sending (BodyWatch).
         self._limits = body_limits if body_limits is not None else LifetimeSettings()
 
+    def _open(self, scope: Scope) -> bool:
+        # Open for what the gateway answers there itself, a GET (or HEAD): another method goes to the
+        # forwarder when PATHS covers the path (PATHS=/), and a stranger's POST /healthz was forwarded.
+        return scope["method"] in _OPEN_METHODS and route_path(scope) in self._open_paths
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._guarded or route_path(scope) in self._open_paths:
+        if scope["type"] != "http" or not self._guarded or self._open(scope):
             await self.app(scope, receive, send)
             return
         normalize_headers(scope)  # a server's "Authorization" is the credential "authorization" too

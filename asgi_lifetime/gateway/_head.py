@@ -42,6 +42,10 @@ _NOT_IN_VALUE: Final = re.compile(rb"[\x00\n\r\x0b\x0c]")
 # than 65,536 characters in all, the upstream's base URL included.
 _NOT_IN_URL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _MAX_URL: Final = 65536
+# A "." or ".." segment of the decoded path, as some upstream would read it: a server on Windows (and a
+# WHATWG URL parser) also splits at a backslash, a Java servlet container drops a ";" parameter ("..;" is
+# ".." to Tomcat). Forwarded, it would climb out of the prefix PATHS covers, to any path of the upstream.
+_DOT_SEGMENT: Final = re.compile(r"(?:^|[/\\])\.\.?(?=[/\\;]|$)")
 
 
 class RequestHead:
@@ -106,7 +110,7 @@ def _unforwardable(scope: Scope, longest_target: int = _MAX_URL) -> RequestError
     """Why the forwarder could not send this request as it came, or ``None``. A value is never quoted:
     it may be a credential (a query's key too)."""
     path: str = scope["path"]
-    if "." in path and {".", ".."} & set(path.split("/")):
+    if "." in path and _DOT_SEGMENT.search(path) is not None:
         return MalformedBody("the request path has '.' or '..' segments", code="invalid_path")
     target = upstream_path(scope)  # what the forwarder appends to the upstream's base URL
     if _NOT_IN_URL.search(target) is not None:

@@ -184,6 +184,14 @@ def _is_sse(response: httpx.Response) -> bool:
     return content_type.partition(";")[0].strip().lower() == "text/event-stream"
 
 
+def _answers_head(response: httpx.Response) -> bool:
+    """The answer to a HEAD: the headers a GET would get, and no body (RFC 9110 9.3.2)."""
+    try:
+        return response.request.method == "HEAD"
+    except RuntimeError:  # a response built without its request has none to tell
+        return False
+
+
 def _is_encoded(response: httpx.Response) -> bool:
     encoding: str = response.headers.get("content-encoding", "")
     return encoding.strip().lower() not in ("", "identity")
@@ -380,7 +388,9 @@ class _Relay:
         """Make ``response`` the one being relayed. Its status/headers are used only if nothing was sent."""
         if not self.started:
             sse = _is_sse(response)
-            self.inband = sse and not _is_encoded(response)
+            # An event stream's answer to a HEAD has no events to judge: judged, it was "starved", sent
+            # again, then a 502.
+            self.inband = sse and not _is_encoded(response) and not _answers_head(response)
             headers = [(name, value) for name, value in filter_headers(response.headers) if name not in _SERVER_SET]
             if not all(_sendable(name, value) for name, value in headers):
                 headers = _sendable_only(headers)
