@@ -53,6 +53,7 @@ from .test_faults import (
     Stack,
     assert_idle,
     eventually,
+    never_reading,
     raw_client,
     request_bytes,
     rss,
@@ -219,22 +220,10 @@ async def test_a_client_that_never_reads_costs_no_memory_under_either_transport(
         app = create_app(settings)
         with serve_in_thread(app, http=HTTPTOOLS_PROTOCOL, timeout_keep_alive=IDLE) as url:
             before = rss()
-            sock = socket.socket()  # a plain socket: anyio's asyncio streams read eagerly into memory
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                await anyio.to_thread.run_sync(sock.connect, ("127.0.0.1", int(url.rsplit(":", 1)[1])))
-                await anyio.to_thread.run_sync(sock.sendall, request_bytes(json.dumps(STREAM).encode()))
-                last, steady_since = -1, anyio.current_time()
-                with anyio.fail_after(15):
-                    while anyio.current_time() - steady_since < 0.5:
-                        await anyio.sleep(0.05)
-                        if firehose.sent != last:
-                            last, steady_since = firehose.sent, anyio.current_time()
+            async with never_reading(int(url.rsplit(":", 1)[1]), firehose):
                 assert not firehose.finished
                 assert firehose.sent < 64 * MiB, f"the upstream got {firehose.sent / MiB:.1f} MiB out"
                 assert rss() - before < 64 * MiB, f"RSS grew {(rss() - before) / MiB:.1f} MiB"
-            finally:
-                sock.close()
             await eventually(lambda: firehose.disconnected, seconds=5)
             await assert_idle(app, url)
 

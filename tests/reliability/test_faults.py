@@ -572,30 +572,37 @@ async def test_slow_client_body_is_a_408(shared: Stack) -> None:
     assert changed["timed_out"] == 1 and "upstream.requests" not in changed
 
 
+@asynccontextmanager
+async def never_reading(port: int, firehose: Firehose) -> AsyncIterator[None]:
+    """A client on ``port`` that asks for ``STREAM`` and never reads: entered once the upstream's output
+    has stopped growing (pushed back through the gateway); the connection closes on exit."""
+    # A plain socket, not an anyio stream: anyio's asyncio streams read eagerly into memory.
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: it sets the window
+        await anyio.to_thread.run_sync(sock.connect, ("127.0.0.1", port))
+        await anyio.to_thread.run_sync(sock.sendall, request_bytes(json.dumps(STREAM).encode()))
+        last, steady_since = -1, anyio.current_time()
+        with anyio.fail_after(15):
+            while anyio.current_time() - steady_since < 0.5:
+                await anyio.sleep(0.05)
+                if firehose.sent != last:
+                    last, steady_since = firehose.sent, anyio.current_time()
+        yield
+    finally:
+        sock.close()
+
+
 async def test_client_that_never_reads_throttles_the_upstream() -> None:
     firehose = Firehose(total=512 * MiB)
     with running(upstream=firehose) as stack:
         before = rss()
-        # A plain socket, not an anyio stream: anyio's asyncio streams read eagerly into memory.
-        sock = socket.socket()
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: it sets the window
-            await anyio.to_thread.run_sync(sock.connect, ("127.0.0.1", stack.port))
-            await anyio.to_thread.run_sync(sock.sendall, request_bytes(json.dumps(STREAM).encode()))
-            # Never read. The upstream is pushed back through the gateway: its output stops growing.
-            last, steady_since = -1, anyio.current_time()
-            with anyio.fail_after(15):
-                while anyio.current_time() - steady_since < 0.5:
-                    await anyio.sleep(0.05)
-                    if firehose.sent != last:
-                        last, steady_since = firehose.sent, anyio.current_time()
+        async with never_reading(stack.port, firehose):
             growth = rss() - before
             assert not firehose.finished
             assert firehose.sent < 64 * MiB, f"the upstream got {firehose.sent / MiB:.1f} MiB out"
             assert growth < 64 * MiB, f"RSS grew {growth / MiB:.1f} MiB"
             assert stack.stats()["inflight_requests"] == 1
-        finally:
-            sock.close()
         await eventually(lambda: firehose.disconnected)
         await assert_idle(stack.app, stack.url)
 
