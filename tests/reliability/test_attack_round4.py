@@ -10,13 +10,15 @@
   every claim but refused the probe (-NOPERM), so the book never came up: sessions were per process.
 - Held, kept as guards: a client waiting for ``100 Continue`` then slow to send its body, HTTP/1.0 with
   keep-alive, the openai SDK's pool idle past the rule (its next request goes on a new connection, no retry
-  needed), and legitimate paths with dots, colons, ``;``, ``%2F``, ``%3F``, ``%25`` and UTF-8, forwarded as
-  written.
+  needed), a WebSocket upgrade attempt (a 403, then closed), and legitimate paths with dots, colons, ``;``,
+  ``%2F``, ``%3F``, ``%25`` and UTF-8, forwarded as written in process and over uvicorn (h11, httptools) and
+  hypercorn (asyncio, trio).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,10 +33,11 @@ from asgi_lifetime.gateway import _session_store, create_app
 from asgi_lifetime.testing._serve import serve_in_thread
 from asgi_lifetime.testing._upstream import create_demo_upstream
 
-from .._servers import RedisServer, redis_server
+from .._servers import RedisServer, redis_server, served
+from ..gateway._raw_upstream import raw_upstream
 from ..gateway.test_session_store import ASYNCIO, Changes, book, fp, redis_client, started, until
 from .test_attack_conns import IDLE, MARGIN, closed_within
-from .test_attack_paths import exchange
+from .test_attack_paths import SERVERS, _post, exchange
 from .test_faults import CHAT, FAST, Stack, request_bytes
 
 pytestmark = pytest.mark.anyio
@@ -115,6 +118,44 @@ async def test_an_sdk_pool_idle_past_the_rule_sends_its_next_request_on_a_new_co
             answer = await client.chat.completions.create(model="demo", messages=CHAT["messages"], max_tokens=2)
             assert answer.choices
             await anyio.sleep(IDLE * 1.5)  # the client idles past the rule: the scenario, not a sync
+
+
+UPGRADE = (
+    b"GET /v1/realtime HTTP/1.1\r\nhost: gateway.test\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+    b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize("after_an_answer", [False, True])
+async def test_a_websocket_upgrade_attempt_is_answered_then_closed(stack: Stack, after_an_answer: bool) -> None:
+    """uvicorn hands an upgrade to its WebSocket protocol; the gateway has no WebSocket route: a 403, on a
+    fresh connection or a kept-alive one, and the connection ends (not held, not cut before its answer)."""
+    async with await anyio.connect_tcp("127.0.0.1", stack.port) as stream:
+        if after_an_answer:
+            await stream.send(request_bytes(json.dumps({**CHAT, "max_tokens": 1}).encode()))
+            answer = await read_head(stream)
+            assert answer.startswith(b"HTTP/1.1 200")
+            length = int(re.search(rb"content-length: (\d+)", answer, re.IGNORECASE)[1])  # type: ignore[index]
+            with anyio.fail_after(IDLE + MARGIN):  # the rest of that answer
+                while len(answer.partition(b"\r\n\r\n")[2]) < length:
+                    answer += await stream.receive()
+        await stream.send(UPGRADE)
+        rest = await closed_within(stream, IDLE + MARGIN)
+        assert b"HTTP/1.1 403" in rest, rest
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_over_real_servers_a_legitimate_path_reaches_the_upstream_as_written(server: str) -> None:
+    ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+    with raw_upstream(lambda request: [ok]) as upstream:
+        settings = LifetimeSettings(upstream_url=(upstream.url + "/base",), paths=PATHS, max_attempts=1)
+        with served(create_app(settings), server) as url:
+            port = int(url.rsplit(":", 1)[1])
+            for _, target in LEGIT_PATHS:
+                before = len(upstream.requests)
+                answer = _post(port, target)
+                assert answer.startswith(b"HTTP/1.1 200"), (target, answer[:300])
+                assert [r.target for r in upstream.requests[before:]] == ["/base" + target], target
 
 
 # --- the session store's probe under a least-privilege ACL -----------------------------------------------------
