@@ -21,6 +21,8 @@ class H11Protocol(HeadDeadline, _UvicornH11Protocol):
         super().handle_events()
         # h11 moves the server's state out of IDLE once a request's whole head has been parsed, and to DONE
         # once its answer has ended. Not the client's state: after an answer sent before the body was read
-        # (a 404, a 405), the rest of that body keeps it out of IDLE, and the connection is idle all the same.
+        # (a 404, a 405), the rest of that body keeps it out of IDLE while no request is in progress.
         if self.conn.our_state in _OWING:
             self.head_complete()
+        elif self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY:
+            self.body_after_answer()  # answered early, the client still sending that request's body
