@@ -4,7 +4,10 @@
   declared length over ``MAX_BODY_BYTES``) leaves the connection kept alive while the client sends the rest.
   The first byte of that rest cancelled the rule's timer (h11's client state was not IDLE), as uvicorn's own
   timer is cancelled by any byte: a client that then sent nothing more, or finished its body and went silent,
-  was held open for ever. httptools kept the timer (its parser reports no new head).
+  was held open for ever. httptools kept the timer (its parser reports no new head). And under both, a body
+  sent on after the early answer for longer than the rule's time was cut: httpx sends the whole body before
+  it reads the answer, and read a reset instead of the 404 (uvicorn alone drained the body). Each piece of
+  that body now gives the rule's time again, up to ``LINGER_SECONDS`` after the answer.
 - Session store probe (``_PROBE``): it wrote with SET and DEL, which the book itself never calls. A Redis ACL
   granting the book exactly the commands it runs (hashes, sorted sets, scripts, on ``asgi_lifetime:*``) took
   every claim but refused the probe (-NOPERM), so the book never came up: sessions were per process.
@@ -17,16 +20,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
 import anyio.abc
+import httpx
 import pytest
 
+from asgi_lifetime._cli import _idle
 from asgi_lifetime._cli._main import H11_PROTOCOL, HTTPTOOLS_PROTOCOL
 from asgi_lifetime._settings import LifetimeSettings
 from asgi_lifetime.gateway import _session_store, create_app
@@ -84,6 +90,42 @@ async def test_an_early_answer_then_a_silent_client_is_still_closed(stack: Stack
         assert (await read_head(stream)).startswith(b"HTTP/1.1 4")  # answered before the body was read
         await stream.send(body[10:20] if rest == "a part" else body[10:])
         await closed_within(stream, IDLE + MARGIN)
+
+
+async def test_an_upload_answered_early_and_sent_on_for_longer_than_the_rule_gets_its_answer(stack: Stack) -> None:
+    """httpx (and the SDKs on it) sends the whole body before it reads the answer. A 404 for a wrong path, then a
+    body sent on for longer than ``--timeout-keep-alive``: the rule closed the connection under the upload, and
+    the client read a reset instead of the 404 (uvicorn alone read the body to its end)."""
+
+    async def slow_body() -> AsyncIterator[bytes]:
+        for _ in range(int(2.5 * IDLE / 0.1)):
+            yield b"x" * 4096
+            await anyio.sleep(0.1)  # the client's pace, past the rule's time in all: not a sync
+
+    async with httpx.AsyncClient() as client:
+        response = await client.post(stack.url + "/elsewhere", content=slow_body())
+    assert response.status_code == 404
+
+
+async def test_a_body_trickled_after_an_early_answer_is_closed_at_the_linger_bound(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each piece of an answered body gives the connection the rule's time again, but not past LINGER_SECONDS
+    after the answer: a client that trickles a declared gigabyte is still closed."""
+    monkeypatch.setattr(_idle, "LINGER_SECONDS", 2 * IDLE)
+    async with await anyio.connect_tcp("127.0.0.1", stack.port) as stream, anyio.create_task_group() as tg:
+        await stream.send(request_bytes(b"x", method="POST", path="/elsewhere", content_length=2**30))
+        assert (await read_head(stream)).startswith(b"HTTP/1.1 404")
+
+        async def trickle() -> None:  # each byte well within IDLE: only the linger bound ends it
+            with contextlib.suppress(anyio.BrokenResourceError, ConnectionError):
+                while True:
+                    await stream.send(b"x")
+                    await anyio.sleep(IDLE / 4)
+
+        tg.start_soon(trickle)
+        await closed_within(stream, 2 * IDLE + MARGIN)
+        tg.cancel_scope.cancel()
 
 
 async def test_a_client_waiting_for_100_continue_then_slow_to_send_is_served(stack: Stack) -> None:
