@@ -36,3 +36,8 @@ class HttpToolsProtocol(HeadDeadline, _UvicornHttpToolsProtocol):
         self._in_trailers = True
         self.head_complete()
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self.cycle.response_complete:  # answered early, the client still sending that request's body
+            self.body_after_answer()
+        super().on_body(body)

@@ -7,12 +7,14 @@ good: a connection that never sent a byte, or sent its head a byte at a time (sl
 ever, with its file descriptor, until the process could accept no one. ``HeadDeadline`` keeps a timer of its
 own beside uvicorn's, which it leaves alone: armed when the connection is made and whenever uvicorn arms its
 keep-alive timer, cancelled only by a complete request head (``head_complete``, which each protocol calls
-where its parser reports one) or by the connection's end.
+where its parser reports one) or by the connection's end. After an answer sent before its request's body was
+read, each piece of that body arms it again (``body_after_answer``), up to ``LINGER_SECONDS`` after the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +23,11 @@ __all__ = ["HeadDeadline"]
 # ``--timeout-keep-alive 0`` turns keep-alive off (uvicorn closes a connection as its answer ends); a new
 # connection still needs a moment to send its first head, so the rule never gives less than this.
 MIN_HEAD_SECONDS = 1.0
+# An answer sent before its request's body was read (a 404, a 405): the client may still be sending that body,
+# and most (httpx, the SDKs on it) read the answer only once it is sent; a connection closed under them reads
+# as a reset, not as the answer. Each piece of that body gives the connection the rule's time again, for at
+# most this long after the answer, as nginx's ``lingering_time`` (30 s by default) bounds the same drain.
+LINGER_SECONDS = 30.0
 
 
 class HeadDeadline:
@@ -31,6 +38,7 @@ class HeadDeadline:
     timeout_keep_alive_task: asyncio.TimerHandle | None
     timeout_keep_alive_handler: Callable[[], None]  # uvicorn's: closes the connection unless it is closing
     _head_deadline: asyncio.TimerHandle | None = None
+    _answered_at = -math.inf  # loop time the last answer ended
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -39,11 +47,12 @@ class HeadDeadline:
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
         if self.timeout_keep_alive_task is not None:  # uvicorn found no next request: the connection is idle
+            self._answered_at = self.loop.time()
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.head_complete()
         super().connection_lost(exc)  # type: ignore[misc]
+        self.head_complete()  # after: uvicorn's h11 protocol parses what is left as it goes
 
     def head_complete(self) -> None:
         """A request head is complete (or the connection gone): the request bounds the connection now."""
@@ -51,7 +60,14 @@ class HeadDeadline:
             self._head_deadline.cancel()
             self._head_deadline = None
 
-    def _arm(self) -> None:
+    def body_after_answer(self) -> None:
+        """A piece of the answered request's body came (each protocol calls it where its parser reports one):
+        the client is still sending, within ``LINGER_SECONDS`` of the answer."""
+        left = self._answered_at + LINGER_SECONDS - self.loop.time()
+        if left > 0:
+            self._arm(left)
+
+    def _arm(self, at_most: float = math.inf) -> None:
         self.head_complete()
-        seconds = max(self.timeout_keep_alive, MIN_HEAD_SECONDS)
+        seconds = min(max(self.timeout_keep_alive, MIN_HEAD_SECONDS), at_most)
         self._head_deadline = self.loop.call_later(seconds, self.timeout_keep_alive_handler)

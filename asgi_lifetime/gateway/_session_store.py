@@ -258,10 +258,11 @@ return 1
 
 # Whether Redis takes the book's writes, not only answers: a replica (-READONLY), a full one under noeviction
 # (-OOM), one that cannot persist (-MISCONF) or a user without the rights (-NOPERM) answer PING but refuse
-# every claim. KEYS[1] a key of the book's own; nothing is left behind.
+# every claim. KEYS[1] a key of the book's own; nothing is left behind (a hash without fields is no key). Only
+# commands the book's own writes use: an ACL granting exactly those (no SET, no DEL) must not keep it down.
 _PROBE: Final = """
-redis.call('SET', KEYS[1], '1')
-redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'probe', '1')
+redis.call('HDEL', KEYS[1], 'probe')
 return 1
 """
 
