@@ -66,8 +66,8 @@ _OWN_PATHS = frozenset({_HEALTHZ, _STATS, _METRICS})
 
 class _GatewayLifetime(Lifetime):
     """The gateway's ``Lifetime``: it handles what the router forwards, a forwarded method on a path PATHS
-    covers, but the gateway's own GET endpoints, routed first. Else the request was admitted and its body
-    read, then answered 405 (OPTIONS), or a health check queued, or refused 503, under load (PATHS=/)."""
+    covers, except the gateway's own GET endpoints (routed first). Otherwise an OPTIONS was admitted and its
+    body read, then answered 405; under PATHS=/ a health check queued for admission, or got a 503, under load."""
 
     def handles(self, scope: Scope) -> bool:
         method = scope.get("method")
@@ -78,7 +78,7 @@ class _GatewayLifetime(Lifetime):
 
 def _forwarded_routes(paths: Sequence[str], forwarder: Forwarder) -> list[Route]:
     """The routes of the forwarded prefixes: each prefix itself and every path below it, the paths
-    ``LifetimeMiddleware.handles`` takes (a prefix alone no longer gets Starlette's slash redirect)."""
+    ``LifetimeMiddleware.handles`` takes (a prefix alone is forwarded, not redirected to its slash)."""
     routes = []
     for prefix in paths:
         base = prefix.rstrip("/")
