@@ -209,6 +209,7 @@ def create_app(
                 upstream_api_key=settings.upstream_api_key,
                 upstream_auth=settings.upstream_auth,
                 upstream_user_info=bool(settings.upstream_userinfo),
+                open_paths=(_HEALTHZ, _METRICS),  # for a probe and a scraper without a key; the stats are not
                 body_limits=settings,
             ),
             # Then: a head that cannot be forwarded is refused before admission or body reading.
